@@ -1,0 +1,215 @@
+// fork + exit + wait through the forksafe runtime, against a bare kernel fork measured in the same
+// run. Prints the ratios at the end (target: idle runtime / bare <= 1.2).
+//
+//   bazel run //bench:fork_benchmark
+//
+// "bare" is glibc's fork() in this same process with forksafe's at-fork callbacks bypassed
+// (runtime/internal/at_fork_bypass.h), so it differs from the others only by forksafe's work.
+// "raw_clone" is the kernel alone (no glibc fork bookkeeping), for reference. "runtime_idle" is a plain fork() with the runtime fully set up
+// and idle: the default pool has run tasks (its workers are parked), oneTBB has run a parallel
+// algorithm, and the simulated accelerator is initialized. "runtime_busy" forks while a feeder
+// thread keeps the pool busy with short tasks.
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "benchmark/benchmark.h"
+#include "device/registry.h"
+#include "runtime/internal/at_fork_bypass.h"
+#include "oneapi/tbb/parallel_for.h"
+#include "runtime/thread_pool.h"
+
+namespace {
+
+using forksafe::runtime::ThreadPool;
+
+void WaitOrDie(pid_t pid, benchmark::State& state) {
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    state.SkipWithError("child did not exit cleanly");
+  }
+}
+
+// Page faults per fork in the parent and in the children (copy-on-write is most of fork's cost).
+class FaultCounter {
+ public:
+  FaultCounter() { Read(&self0_, &kids0_); }
+  void Report(benchmark::State& state) {
+    long self1, kids1;
+    Read(&self1, &kids1);
+    const double n = static_cast<double>(state.iterations());
+    state.counters["parent_faults"] = (self1 - self0_) / n;
+    state.counters["child_faults"] = (kids1 - kids0_) / n;
+  }
+
+ private:
+  static void Read(long* self, long* kids) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    *self = ru.ru_minflt;
+    getrusage(RUSAGE_CHILDREN, &ru);
+    *kids = ru.ru_minflt;
+  }
+  long self0_, kids0_;
+};
+
+void SetUpRuntime() {
+  static bool done = false;
+  if (done) return;
+  done = true;
+  ThreadPool::Default().Submit([] { return 1; }).get();
+  tbb::parallel_for(0, 1000, [](int) {});
+  void* p = forksafe::device::Allocate(
+      forksafe::device::Device(forksafe::device::DeviceType::kSimAccel, 0), 4096);
+  forksafe::device::Free(forksafe::device::Device(forksafe::device::DeviceType::kSimAccel, 0), p);
+}
+
+void BM_RawClone(benchmark::State& state) {
+  SetUpRuntime();  // same process image for every variant
+  FaultCounter faults;
+  for (auto _ : state) {
+    const long pid = syscall(SYS_clone, SIGCHLD, nullptr, nullptr, nullptr, 0);
+    if (pid == 0) syscall(SYS_exit_group, 0);
+    WaitOrDie(static_cast<pid_t>(pid), state);
+  }
+  faults.Report(state);
+}
+
+void BM_BareFork(benchmark::State& state) {
+  SetUpRuntime();
+  forksafe::runtime::internal::SetAtForkBypassForBenchmark(true);
+  FaultCounter faults;
+  for (auto _ : state) {
+    const pid_t pid = fork();
+    if (pid == 0) _exit(0);
+    WaitOrDie(pid, state);
+  }
+  faults.Report(state);
+  forksafe::runtime::internal::SetAtForkBypassForBenchmark(false);
+}
+
+void BM_RuntimeForkIdle(benchmark::State& state) {
+  SetUpRuntime();
+  FaultCounter faults;
+  for (auto _ : state) {
+    const pid_t pid = fork();
+    if (pid == 0) _exit(0);
+    WaitOrDie(pid, state);
+  }
+  faults.Report(state);
+}
+
+// The headline: each iteration makes one bare fork and one fork through the idle runtime, back
+// to back, timing each, so machine drift and noise hit both alike. Reports both means and their
+// ratio (target: <= 1.2).
+void BM_PairedBareVsRuntime(benchmark::State& state) {
+  SetUpRuntime();
+  using Clock = std::chrono::steady_clock;
+  Clock::duration bare{}, runtime{};
+  for (auto _ : state) {
+    forksafe::runtime::internal::SetAtForkBypassForBenchmark(true);
+    auto t0 = Clock::now();
+    pid_t pid = fork();
+    if (pid == 0) _exit(0);
+    WaitOrDie(pid, state);
+    auto t1 = Clock::now();
+    forksafe::runtime::internal::SetAtForkBypassForBenchmark(false);
+    pid = fork();
+    if (pid == 0) _exit(0);
+    WaitOrDie(pid, state);
+    auto t2 = Clock::now();
+    bare += t1 - t0;
+    runtime += t2 - t1;
+  }
+  const double n = static_cast<double>(state.iterations());
+  const double bare_us = std::chrono::duration<double, std::micro>(bare).count() / n;
+  const double runtime_us = std::chrono::duration<double, std::micro>(runtime).count() / n;
+  state.counters["bare_us"] = bare_us;
+  state.counters["runtime_us"] = runtime_us;
+  state.counters["ratio"] = runtime_us / bare_us;
+}
+BENCHMARK(BM_PairedBareVsRuntime)->UseRealTime()->MinTime(1.0)->Repetitions(5);
+
+BENCHMARK(BM_BareFork)->UseRealTime()->MinTime(0.5)->Repetitions(3);
+BENCHMARK(BM_RuntimeForkIdle)->UseRealTime()->MinTime(0.5)->Repetitions(3);
+BENCHMARK(BM_RawClone)->UseRealTime()->MinTime(0.5)->Repetitions(3);
+
+void BM_RuntimeForkBusyPool(benchmark::State& state) {
+  SetUpRuntime();
+  ThreadPool pool(forksafe::runtime::ThreadPoolOptions{2, "bench", std::chrono::milliseconds(2000)});
+  std::atomic<bool> stop{false};
+  std::thread feeder([&] {
+    while (!stop) {
+      pool.Post([] {
+        volatile int x = 0;
+        for (int i = 0; i < 20000; ++i) x += i;  // ~10-20 us of work
+      });
+      if (pool.queued() > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  });
+  for (auto _ : state) {
+    const pid_t pid = fork();
+    if (pid == 0) _exit(0);
+    WaitOrDie(pid, state);
+  }
+  stop = true;
+  feeder.join();
+  pool.Wait();
+}
+BENCHMARK(BM_RuntimeForkBusyPool)->UseRealTime()->MinTime(0.5)->Repetitions(5);
+
+// Collects per-iteration real times so main() can print ratios from this one run.
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& r : runs) {
+      // Keep the median aggregate of each benchmark's repetitions.
+      if (r.run_type == Run::RT_Aggregate && r.aggregate_name == "median") {
+        ns_[r.run_name.function_name] = r.GetAdjustedRealTime();  // ns
+        auto it = r.counters.find("ratio");
+        if (it != r.counters.end()) paired_ratio_ = it->second.value;
+      }
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+  double paired_ratio() const { return paired_ratio_; }
+  double Get(const std::string& name) const {
+    auto it = ns_.find(name);
+    return it == ns_.end() ? 0 : it->second;
+  }
+
+ private:
+  std::map<std::string, double> ns_;
+  double paired_ratio_ = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  const double bare = reporter.Get("BM_BareFork");
+  const double idle = reporter.Get("BM_RuntimeForkIdle");
+  const double busy = reporter.Get("BM_RuntimeForkBusyPool");
+  const double raw = reporter.Get("BM_RawClone");
+  printf("\nmedians: bare fork() %.1f us, runtime idle %.1f us, runtime busy pool %.1f us, "
+         "raw clone %.1f us\n", bare / 1e3, idle / 1e3, busy / 1e3, raw / 1e3);
+  printf("paired ratio runtime_idle / bare (median of 5) = %.2f  (target <= 1.20)\n",
+         reporter.paired_ratio());
+  if (bare > 0 && idle > 0) {
+    printf("unpaired ratio runtime_idle / bare = %.2f\n", idle / bare);
+  }
+  if (bare > 0 && busy > 0) printf("ratio runtime_busy / bare = %.2f\n", busy / bare);
+  benchmark::Shutdown();
+  return 0;
+}

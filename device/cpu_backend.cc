@@ -1,0 +1,46 @@
+#include "device/cpu_backend.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/error.h"
+
+namespace forksafe::device {
+
+DeviceProperties CpuBackend::Properties(int index) const {
+  CheckIndex(index, "Properties");
+  DeviceProperties p;
+  p.name = "host memory";
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGESIZE);
+  p.total_memory = pages > 0 && page_size > 0 ? static_cast<size_t>(pages) * page_size : 0;
+  p.host_accessible = true;
+  p.supports_ipc = true;
+  return p;
+}
+
+void* CpuBackend::DoAllocate(int index, size_t bytes) {
+  const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  void* p = std::aligned_alloc(kAlignment, rounded);
+  if (p == nullptr) {
+    throw runtime::Error(runtime::ErrorCode::kResourceExhausted,
+                         absl::StrCat("cpu: could not allocate ", bytes,
+                                      " bytes of host memory; free tensors or lower batch sizes"));
+  }
+  return p;
+}
+
+void CpuBackend::DoFree(int index, void* ptr) { std::free(ptr); }
+
+void CpuBackend::DoCopy(void* dst, Device, const void* src, Device, size_t bytes) {
+  std::memmove(dst, src, bytes);
+}
+
+void CpuBackend::DoMemset(int index, void* ptr, int value, size_t bytes) {
+  std::memset(ptr, value, bytes);
+}
+
+}  // namespace forksafe::device

@@ -1,0 +1,83 @@
+// device/registry.h: the backends of this process, the default device and the current device.
+//
+// What it offers
+//   One registry per process, holding a backend per DeviceType. The CPU backend and the simulated
+//   accelerator are built in; later backends (CUDA) register themselves. The registry keeps a
+//   process-wide default device and a per-thread current device (DeviceGuard sets it for a
+//   scope), and forwards memory operations to the right backend.
+//
+// Fork behaviour (the registry registers one at-fork handler on first use)
+//   In a forked child: the default device becomes CPU (as MindSpore does), the forking thread's
+//   current device is cleared (so it follows the default), and every backend that was initialized
+//   in the parent and cannot survive fork is poisoned (see backend.h).
+//
+// Guarantees
+//   - DeviceCount(), HasBackend() and Properties() never initialize a backend; safe in a child.
+//   - Thread-safe; lookups are lock-free.
+#ifndef FORKSAFE_DEVICE_REGISTRY_H_
+#define FORKSAFE_DEVICE_REGISTRY_H_
+
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "device/backend.h"
+#include "device/device.h"
+
+namespace forksafe::device {
+
+/// Adds a backend for its type(). Throws kAlreadyExists when one is registered for that type.
+void RegisterBackend(std::unique_ptr<Backend> backend);
+
+/// True when a backend is registered for `type`.
+bool HasBackend(DeviceType type);
+
+/// The backend for `type`. Throws kUnavailable (naming what is available) when there is none.
+Backend& GetBackend(DeviceType type);
+
+/// Number of devices of `type`; 0 when no backend is registered. Never initializes.
+int DeviceCount(DeviceType type);
+
+/// Every device of every registered backend, CPU first. Never initializes.
+std::vector<Device> AvailableDevices();
+
+/// Throws kInvalidArgument/kUnavailable unless `device` names an existing device.
+void CheckDevice(const Device& device);
+
+/// The process default device (CPU unless set; CPU again in every forked child).
+Device DefaultDevice();
+/// Sets the default device after CheckDevice(). Does not initialize the backend.
+void SetDefaultDevice(const Device& device);
+
+/// The calling thread's current device: the one set by SetCurrentDevice/DeviceGuard, else the
+/// default device.
+Device CurrentDevice();
+/// Sets the calling thread's current device (after CheckDevice); nullopt clears it.
+void SetCurrentDevice(std::optional<Device> device);
+
+/// Makes `device` the calling thread's current device for the guard's lifetime.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(const Device& device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  std::optional<Device> previous_;
+};
+
+/// Allocates `bytes` on `device` through its backend.
+void* Allocate(const Device& device, size_t bytes);
+/// Frees memory allocated on `device`.
+void Free(const Device& device, void* ptr);
+/// Copies between any two devices; non-CPU to another non-CPU type is staged through the host.
+void Copy(void* dst, const Device& dst_device, const void* src, const Device& src_device,
+          size_t bytes);
+/// Waits for all queued work on `device`.
+void Synchronize(const Device& device);
+
+}  // namespace forksafe::device
+
+#endif  // FORKSAFE_DEVICE_REGISTRY_H_

@@ -1,0 +1,207 @@
+// runtime/at_fork.h: the process-wide at-fork registry (the heart of forksafe).
+//
+// What it offers
+//   One registry per process and exactly one pthread_atfork() registration. Subsystems register
+//   a handler (prepare, parent, child) under a handle and unregister it by that handle. Every
+//   fork() of the process runs through it, whoever calls fork().
+//
+// The protocol (see docs/design.md for the full sequence diagram)
+//
+//   forking thread            registry                         handlers h0..hN (registration order)
+//   fork() ──prepare──▶  lock registry (held until parent/child)
+//                        attempt k = 1..max:
+//                          hN.prepare, ..., h0.prepare     (reverse order)
+//                          one says "not yet" ─▶ roll back: parent(true) on those already
+//                                                prepared, back off, retry
+//                          last attempt: a refusal is recorded (kPrepareGaveUp) and the fork
+//                                        proceeds with that handler marked unprepared
+//                        take the framework lock (last)
+//          ◀──(kernel fork)──▶
+//   parent:              release framework lock (first); h0.parent .. hN.parent; unlock registry
+//   child:               reset framework lock (first);  h0.child  .. hN.child;  unlock registry
+//
+// Guarantees
+//   - prepare runs in reverse registration order; parent and child in registration order
+//     (glibc's rule, as in folly's AtFork and gRPC core).
+//   - Register/Unregister are thread-safe. A call made while another thread forks waits until that
+//     fork's parent phase has finished. A call made from inside a handler is an error
+//     (kFailedPrecondition), never a deadlock.
+//   - Handlers never see exceptions escape: a prepare that throws counts as "not yet"; a parent or
+//     child callback that throws is recorded as an event. Handlers report trouble with ReportEvent.
+//   - Bounded: at most AtForkOptions::max_prepare_attempts rounds, with exponential back-off.
+//
+// Hazards
+//   - Handlers run with the registry lock held: they must not wait for another thread that is
+//     itself about to fork or (un)register a handler.
+//   - A `prepare` that returns false must have released everything it took in that attempt.
+//   - pthread_atfork cannot refuse a fork: when a subsystem cannot be prepared in time, the child
+//     must treat it as unusable and rebuild it; its child callback receives prepared == false.
+#ifndef FORKSAFE_RUNTIME_AT_FORK_H_
+#define FORKSAFE_RUNTIME_AT_FORK_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "runtime/framework_lock.h"
+
+namespace forksafe::runtime {
+
+/// Passed to a prepare callback: which attempt this is and whether it is the last one.
+struct PrepareAttempt {
+  int number = 1;     ///< 1-based attempt number within this fork.
+  bool last = false;  ///< On the last attempt a refusal no longer causes a retry.
+};
+
+/// The callbacks of one subsystem. Any of them may be empty.
+struct AtForkHandler {
+  /// A name for reports ("thread_pool:io", "device_registry").
+  std::string name;
+  /// Quiesce before the fork. Return false ("not yet") to have the registry roll back the
+  /// handlers already prepared in this attempt and retry after a back-off.
+  std::function<bool(const PrepareAttempt&)> prepare;
+  /// In the parent after the fork, or to roll back a prepare that succeeded in a failed attempt.
+  /// `prepared` is false when this handler's prepare gave up on the last attempt.
+  std::function<void(bool prepared)> parent;
+  /// In the child after the fork; the child has exactly one thread (the one that forked).
+  std::function<void(bool prepared)> child;
+};
+
+/// What can go wrong during a fork without stopping it.
+enum class ForkEventKind {
+  kPrepareRetried,        ///< A prepare said "not yet"; the registry rolled back and retried.
+  kPrepareGaveUp,         ///< A prepare still refused on the last attempt; the fork went ahead.
+  kDrainDeadlineExceeded, ///< A pool had tasks still running when its drain deadline passed.
+  kFrameworkLockTimeout,  ///< The framework lock could not be taken in time.
+  kSubsystemUnusable,     ///< A subsystem is unusable in the child until rebuilt.
+  kHandlerThrew,          ///< A callback threw; the exception was swallowed.
+};
+
+/// Returns a stable name for `kind` ("prepare_gave_up", ...).
+const char* ForkEventKindName(ForkEventKind kind);
+
+/// One reported event.
+struct ForkEvent {
+  ForkEventKind kind;
+  std::string subsystem;  ///< The handler's name.
+  std::string detail;     ///< What happened and what it means, for a person.
+};
+
+/// What happened during one fork.
+struct ForkReport {
+  uint64_t fork_number = 0;  ///< 1 for the first fork this process made, and so on.
+  int attempts = 0;          ///< Prepare rounds it took.
+  std::vector<ForkEvent> events;
+  /// True when every subsystem was prepared on time and nothing was reported.
+  bool clean() const { return events.empty(); }
+  /// A multi-line summary for logs.
+  std::string ToString() const;
+};
+
+/// Tunables of the registry.
+struct AtForkOptions {
+  int max_prepare_attempts = 8;                       ///< >= 1.
+  std::chrono::microseconds initial_backoff{100};     ///< First sleep after a roll-back.
+  std::chrono::microseconds max_backoff{20000};       ///< Cap of the doubling back-off.
+  std::chrono::milliseconds framework_lock_timeout{2000};
+};
+
+/// The process-wide registry. Obtain it with AtForkRegistry::Get(); it is never destroyed.
+/// Aligned so that its state, which is written after every fork, sits on one memory page: each
+/// page written after fork() costs a copy-on-write fault in the parent and in the child.
+class alignas(1024) AtForkRegistry {
+ public:
+  /// The registry; the first call installs the single pthread_atfork registration.
+  static AtForkRegistry& Get();
+
+  /// Adds `handler` under `handle` (any unique address, usually the owning object).
+  /// Throws kInvalidArgument for a null handle, kAlreadyExists for a handle already registered,
+  /// kFailedPrecondition when called from inside a fork handler.
+  void Register(const void* handle, AtForkHandler handler);
+
+  /// Removes the handler registered under `handle`. Throws kNotFound for an unknown handle and
+  /// kFailedPrecondition when called from inside a fork handler.
+  void Unregister(const void* handle);
+
+  /// True when `handle` is registered.
+  bool IsRegistered(const void* handle) const;
+
+  /// Names of the registered handlers, in registration order.
+  std::vector<std::string> HandlerNames() const;
+
+  /// Replaces the options. Throws kInvalidArgument for max_prepare_attempts < 1.
+  void SetOptions(const AtForkOptions& options);
+  AtForkOptions options() const;
+
+  /// The report of the last fork this process made (in a child: of the fork that created it).
+  ForkReport LastReport() const;
+
+  /// Number of forks this process has made through the registry.
+  uint64_t fork_count() const;
+
+  /// Called in the parent, after the registry lock is released, for each fork whose report is
+  /// not clean. Replaces any previous listener; pass an empty function to remove it.
+  void SetEventListener(std::function<void(const ForkReport&)> listener);
+
+  /// Records an event on the fork in progress. Only meaningful from inside a handler; ignored
+  /// elsewhere. Never throws.
+  static void ReportEvent(ForkEventKind kind, const std::string& subsystem,
+                          const std::string& detail) noexcept;
+
+  AtForkRegistry(const AtForkRegistry&) = delete;
+  AtForkRegistry& operator=(const AtForkRegistry&) = delete;
+
+ private:
+  struct Entry {
+    const void* handle;
+    AtForkHandler handler;
+    bool prepared = false;
+  };
+
+  AtForkRegistry();
+  static void OnPrepare();
+  static void OnParent();
+  static void OnChild();
+  void Prepare();
+  void Parent();
+  void Child();
+  void CheckNotInHandler(const char* what) const;
+
+  mutable std::mutex mu_;  // guards everything below; held from prepare to parent/child
+  std::vector<Entry> entries_;
+  AtForkOptions options_;
+  ForkReport current_;
+  ForkReport last_;
+  uint64_t fork_count_ = 0;
+  bool framework_lock_taken_ = false;
+  std::function<void(const ForkReport&)> listener_;
+  DefaultFrameworkLock default_framework_lock_;  // on the same page as mu_ (see above)
+
+  friend DefaultFrameworkLock& internal_default_framework_lock();
+};
+
+/// RAII registration: registers in the constructor, unregisters in the destructor.
+class AtForkRegistration {
+ public:
+  AtForkRegistration(const void* handle, AtForkHandler handler);
+  ~AtForkRegistration();
+  AtForkRegistration(const AtForkRegistration&) = delete;
+  AtForkRegistration& operator=(const AtForkRegistration&) = delete;
+
+ private:
+  const void* handle_;
+};
+
+/// True on the thread that is running at-fork handlers, while it runs them.
+bool InForkHandler();
+
+/// 0 in a process that was not created by fork() since the program started (or exec'd);
+/// incremented in each forked child, so a child compares it to detect inherited state.
+uint64_t ForkGeneration();
+
+}  // namespace forksafe::runtime
+
+#endif  // FORKSAFE_RUNTIME_AT_FORK_H_

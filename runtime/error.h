@@ -1,0 +1,73 @@
+// runtime/error.h: the one way forksafe reports errors.
+//
+// What it offers
+//   Every fallible call in forksafe (runtime, device and mp alike) reports failure by throwing
+//   `forksafe::runtime::Error` or a subclass. An Error carries a machine-readable `ErrorCode` and a
+//   message written for a person: what went wrong, with the values involved, and what to do about
+//   it. Callers that want a status value instead of an exception wrap a call in `Capture()`.
+//
+// Guarantees
+//   - A function that throws leaves no resource behind (file descriptors, processes, memory).
+//   - Code that runs inside at-fork handlers never throws: it records a ForkEvent instead
+//     (see runtime/at_fork.h), since an exception cannot cross pthread_atfork.
+//   - Thread safety: Error is an immutable value; copying it is safe from any thread.
+#ifndef FORKSAFE_RUNTIME_ERROR_H_
+#define FORKSAFE_RUNTIME_ERROR_H_
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace forksafe::runtime {
+
+/// The category of a failure. Stable: callers may switch on it.
+enum class ErrorCode {
+  kInvalidArgument,     ///< A parameter is out of range or malformed.
+  kNotFound,            ///< A named or handled thing does not exist.
+  kAlreadyExists,       ///< Registering something twice.
+  kFailedPrecondition,  ///< The call is not allowed in the current state (e.g. inside a fork handler).
+  kForkPoisoned,        ///< A subsystem initialized in the parent was used in a forked child.
+  kUnavailable,         ///< A backend or device is absent on this machine.
+  kResourceExhausted,   ///< Out of memory, descriptors, /dev/shm, ...
+  kDeadlineExceeded,    ///< A bounded wait ran out.
+  kCancelled,           ///< Work was dropped before it ran (e.g. pool destroyed).
+  kInternal,            ///< A system call failed unexpectedly; the message carries errno.
+};
+
+/// Returns a stable lowercase name for `code` ("invalid_argument", ...).
+const char* ErrorCodeName(ErrorCode code) noexcept;
+
+/// The exception type thrown by every forksafe API.
+class Error : public std::runtime_error {
+ public:
+  /// Builds an error; `what()` reads "<code name>: <message>".
+  Error(ErrorCode code, const std::string& message);
+
+  /// The category of this error.
+  ErrorCode code() const noexcept { return code_; }
+  /// The message without the code prefix.
+  const std::string& message() const noexcept { return message_; }
+
+ private:
+  ErrorCode code_;
+  std::string message_;
+};
+
+/// Throws Error(kInternal) with "<what>: <strerror(err)> (errno <err>)".
+[[noreturn]] void ThrowSystemError(const std::string& what, int err);
+
+/// Runs `fn` and returns true, or catches an Error and stores it in `*out` and returns false.
+template <typename Fn>
+bool Capture(Fn&& fn, Error* out) {
+  try {
+    std::forward<Fn>(fn)();
+    return true;
+  } catch (const Error& e) {
+    if (out != nullptr) *out = e;
+    return false;
+  }
+}
+
+}  // namespace forksafe::runtime
+
+#endif  // FORKSAFE_RUNTIME_ERROR_H_

@@ -1,0 +1,82 @@
+#include "runtime/framework_lock.h"
+
+#include <new>
+
+#include "runtime/error.h"
+
+namespace forksafe::runtime {
+
+void DefaultFrameworkLock::Lock() {
+  const auto self = std::this_thread::get_id();
+  std::unique_lock<std::mutex> lk(mu_);
+  if (owner_.load(std::memory_order_relaxed) == self) {
+    ++depth_;
+    return;
+  }
+  cv_.wait(lk, [&] { return depth_ == 0; });
+  owner_.store(self, std::memory_order_relaxed);
+  depth_ = 1;
+}
+
+bool DefaultFrameworkLock::TryLockFor(std::chrono::nanoseconds timeout) {
+  const auto self = std::this_thread::get_id();
+  std::unique_lock<std::mutex> lk(mu_);
+  if (owner_.load(std::memory_order_relaxed) == self) {
+    ++depth_;
+    return true;
+  }
+  if (!cv_.wait_for(lk, timeout, [&] { return depth_ == 0; })) return false;
+  owner_.store(self, std::memory_order_relaxed);
+  depth_ = 1;
+  return true;
+}
+
+void DefaultFrameworkLock::Unlock() {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (owner_.load(std::memory_order_relaxed) != std::this_thread::get_id() || depth_ == 0) {
+    throw Error(ErrorCode::kFailedPrecondition,
+                "FrameworkLock::Unlock called by a thread that does not hold the framework lock; "
+                "pair every Lock() with one Unlock() on the same thread (use FrameworkLockGuard)");
+  }
+  if (--depth_ == 0) {
+    owner_.store(std::thread::id(), std::memory_order_relaxed);
+    lk.unlock();
+    cv_.notify_one();
+  }
+}
+
+bool DefaultFrameworkLock::HeldByCurrentThread() const {
+  return owner_.load(std::memory_order_relaxed) == std::this_thread::get_id();
+}
+
+void DefaultFrameworkLock::ResetInChild() {
+  // Another thread may have held mu_ at the instant of the fork and does not exist here: rebuild
+  // the internals in place (the old ones are abandoned, never destroyed).
+  new (&mu_) std::mutex();
+  new (&cv_) std::condition_variable();
+  if (owner_.load(std::memory_order_relaxed) != std::this_thread::get_id()) {
+    owner_.store(std::thread::id(), std::memory_order_relaxed);
+    depth_ = 0;
+  }
+}
+
+namespace {
+std::atomic<FrameworkLock*> g_custom_lock{nullptr};
+
+}  // namespace
+
+// Defined in at_fork.cc: the default lock lives inside the registry, on the registry's page.
+DefaultFrameworkLock& internal_default_framework_lock();
+
+namespace {
+DefaultFrameworkLock& DefaultLock() { return internal_default_framework_lock(); }
+}  // namespace
+
+FrameworkLock& GetFrameworkLock() {
+  FrameworkLock* custom = g_custom_lock.load(std::memory_order_acquire);
+  return custom != nullptr ? *custom : DefaultLock();
+}
+
+void SetFrameworkLock(FrameworkLock* lock) { g_custom_lock.store(lock, std::memory_order_release); }
+
+}  // namespace forksafe::runtime

@@ -1,0 +1,93 @@
+// runtime/framework_lock.h: the global framework lock, held across every fork.
+//
+// What it offers
+//   One process-wide lock that an embedding framework takes around work that must never be
+//   observed half-done by a forked child (the analogue of Python's GIL, which MindSpore holds
+//   across fork). The at-fork registry takes it *last* in prepare, after every subsystem has
+//   quiesced, and releases it *first* in the parent and the child, before any subsystem resumes.
+//   A framework that already has such a lock plugs it in with SetFrameworkLock().
+//
+// Guarantees
+//   - The default lock is recursive and tracks its owner, so a thread that already holds it may
+//     call fork(): prepare sees that the forking thread owns it and does not take it again.
+//   - prepare waits for the lock for at most AtForkOptions::framework_lock_timeout; if another
+//     thread holds it longer, the fork proceeds, the event is reported (ForkEventKind::
+//     kFrameworkLockTimeout) and the child gets a fresh, unlocked lock.
+//   - In the child, ResetInChild() runs before any handler, so the child never waits on a lock
+//     whose owner did not survive the fork.
+//
+// Hazards
+//   - A pool task that waits for this lock while the forking thread holds it cannot finish before
+//     the fork: the pool's drain then runs into its deadline. Do not hold the framework lock while
+//     waiting for pool tasks that need it.
+//   - SetFrameworkLock() must be called before other threads use the lock, and the supplied lock
+//     must outlive every fork of the process.
+#ifndef FORKSAFE_RUNTIME_FRAMEWORK_LOCK_H_
+#define FORKSAFE_RUNTIME_FRAMEWORK_LOCK_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+namespace forksafe::runtime {
+
+/// Interface of a lock that can be held across fork(). Implementations must be usable from any
+/// thread; TryLockFor and Unlock are called by the at-fork registry on the forking thread.
+class FrameworkLock {
+ public:
+  virtual ~FrameworkLock() = default;
+  /// Blocks until the calling thread holds the lock. Recursive locking is implementation-defined.
+  virtual void Lock() = 0;
+  /// Takes the lock if it can within `timeout`; returns whether it did.
+  virtual bool TryLockFor(std::chrono::nanoseconds timeout) = 0;
+  /// Releases one level of the lock held by the calling thread.
+  virtual void Unlock() = 0;
+  /// True when the calling thread holds the lock.
+  virtual bool HeldByCurrentThread() const = 0;
+  /// Called first thing in a forked child, on its only thread (the one that called fork()).
+  /// Rebuild any internal mutex another thread may have held at the fork; keep the lock held if
+  /// the calling thread holds it, and make it free if a thread that does not exist here held it.
+  virtual void ResetInChild() = 0;
+};
+
+/// The default framework lock: recursive, owner-tracking, timed.
+class DefaultFrameworkLock final : public FrameworkLock {
+ public:
+  DefaultFrameworkLock() = default;
+  void Lock() override;
+  bool TryLockFor(std::chrono::nanoseconds timeout) override;
+  void Unlock() override;
+  bool HeldByCurrentThread() const override;
+  void ResetInChild() override;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<std::thread::id> owner_{};
+  int depth_ = 0;  // guarded by mu_
+};
+
+/// The lock the runtime holds across fork (the default one unless replaced).
+FrameworkLock& GetFrameworkLock();
+
+/// Replaces the framework lock. `lock` is not owned and must outlive all forks; pass nullptr to go
+/// back to the default lock. Not thread-safe with concurrent forks: call it at start-up.
+void SetFrameworkLock(FrameworkLock* lock);
+
+/// RAII holder of the framework lock.
+class FrameworkLockGuard {
+ public:
+  FrameworkLockGuard() : lock_(GetFrameworkLock()) { lock_.Lock(); }
+  ~FrameworkLockGuard() { lock_.Unlock(); }
+  FrameworkLockGuard(const FrameworkLockGuard&) = delete;
+  FrameworkLockGuard& operator=(const FrameworkLockGuard&) = delete;
+
+ private:
+  FrameworkLock& lock_;
+};
+
+}  // namespace forksafe::runtime
+
+#endif  // FORKSAFE_RUNTIME_FRAMEWORK_LOCK_H_

@@ -1,0 +1,411 @@
+#include "runtime/thread_pool.h"
+
+#include <algorithm>
+#include <deque>
+#include <list>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/at_fork.h"
+#include "runtime/error.h"
+#include "runtime/tbb_fork.h"
+
+namespace forksafe::runtime {
+namespace internal {
+
+// Everything a pool's workers touch. Abandoned (never destroyed) in a forked child.
+struct PoolState {
+  struct Worker {
+    std::thread thread;
+    bool exited = false;  // guarded by mu
+  };
+
+  std::mutex mu;
+  std::condition_variable work_cv;   // workers wait for tasks
+  std::condition_variable drain_cv;  // prepare waits for workers to leave
+  std::condition_variable idle_cv;   // Wait() waits for an empty, idle pool
+  std::deque<std::function<void()>> queue;
+  std::list<Worker> workers;
+  int live = 0;     // workers inside WorkerLoop
+  int running = 0;  // tasks in flight
+  bool paused = false;
+  bool stopping = false;
+  uint64_t generation = ForkGeneration();
+  uint64_t tasks_completed = 0;
+  uint64_t task_exceptions = 0;
+};
+
+}  // namespace internal
+
+namespace {
+
+using internal::PoolState;
+
+thread_local PoolState* t_worker_state = nullptr;
+
+void WorkerLoop(PoolState* s, PoolState::Worker* self) {
+  t_worker_state = s;
+  std::unique_lock<std::mutex> lk(s->mu);
+  for (;;) {
+    s->work_cv.wait(lk, [s] { return s->paused || s->stopping || !s->queue.empty(); });
+    if (s->paused || s->queue.empty()) break;  // paused for a fork, or stopping with no work
+    std::function<void()> task = std::move(s->queue.front());
+    s->queue.pop_front();
+    ++s->running;
+    lk.unlock();
+    bool threw = false;
+    try {
+      task();
+    } catch (...) {
+      threw = true;
+    }
+    task = nullptr;
+    if (ForkGeneration() != s->generation) {
+      // This thread forked from inside the task and is now the only thread of a child: the
+      // state belongs to the parent. Touch nothing; ending the thread is all that is left.
+      t_worker_state = nullptr;
+      return;
+    }
+    lk.lock();
+    --s->running;
+    ++s->tasks_completed;
+    if (threw) ++s->task_exceptions;
+    if (s->running == 0 && s->queue.empty()) s->idle_cv.notify_all();
+    if (s->paused) s->drain_cv.notify_all();
+  }
+  --s->live;
+  self->exited = true;
+  s->drain_cv.notify_all();
+  t_worker_state = nullptr;
+}
+
+// Starts workers up to `target`. Requires s->mu held; joins workers that already left.
+void EnsureWorkersLocked(PoolState* s, int target, std::unique_lock<std::mutex>& lk) {
+  if (s->paused || s->stopping) return;
+  while (s->live < target) {
+    s->workers.emplace_back();
+    PoolState::Worker* w = &s->workers.back();
+    ++s->live;
+    try {
+      w->thread = std::thread(WorkerLoop, s, w);
+    } catch (const std::system_error& e) {
+      --s->live;
+      s->workers.pop_back();
+      if (s->live > 0) return;  // run with fewer workers
+      throw Error(ErrorCode::kResourceExhausted,
+                  absl::StrCat("could not start a pool worker thread: ", e.what(),
+                               "; lower the number of threads or raise the process limit"));
+    }
+  }
+}
+
+// Joins and forgets workers that have left their loop. Requires lk held; releases it meanwhile.
+void ReapExitedLocked(PoolState* s, std::unique_lock<std::mutex>& lk) {
+  std::vector<std::thread> done;
+  for (auto it = s->workers.begin(); it != s->workers.end();) {
+    if (it->exited) {
+      done.push_back(std::move(it->thread));
+      it = s->workers.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (done.empty()) return;
+  lk.unlock();
+  for (std::thread& t : done) {
+    if (t.joinable()) t.join();
+  }
+  lk.lock();
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(ThreadPoolOptions options) : options_(std::move(options)) {
+  if (options_.num_threads < 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("ThreadPoolOptions::num_threads must be >= 0 (0 = one per core), got ",
+                             options_.num_threads));
+  }
+  if (options_.drain_deadline.count() < 0) {
+    throw Error(ErrorCode::kInvalidArgument, "ThreadPoolOptions::drain_deadline must be >= 0");
+  }
+  num_threads_ = options_.num_threads > 0
+                     ? options_.num_threads
+                     : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  // oneTBB's handler must be registered before any pool: prepare runs in reverse order, so the
+  // pools drain first and oneTBB is finalized after them.
+  InstallTbbForkHandler();
+  state_.store(new PoolState());
+  AtForkHandler h;
+  h.name = "thread_pool:" + options_.name;
+  h.prepare = [this](const PrepareAttempt& a) { return PrepareFork(a.number, a.last); };
+  h.parent = [this](bool) { ParentAfterFork(); };
+  h.child = [this](bool) { ChildAfterFork(); };
+  AtForkRegistry::Get().Register(this, std::move(h));
+}
+
+ThreadPool::~ThreadPool() {
+  try {
+    AtForkRegistry::Get().Unregister(this);
+  } catch (...) {
+  }
+  PoolState* s = state_.load();
+  if (s == nullptr) return;
+  {
+    std::unique_lock<std::mutex> lk(s->mu);
+    s->stopping = true;
+    s->paused = false;
+    // Make sure queued work still has a worker to run it.
+    if (!s->queue.empty() && s->live == 0) {
+      s->stopping = false;
+      EnsureWorkersLocked(s, 1, lk);
+      s->stopping = true;
+    }
+    s->work_cv.notify_all();
+  }
+  std::vector<std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lk(s->mu);
+    for (auto& w : s->workers) threads.push_back(std::move(w.thread));
+  }
+  for (std::thread& t : threads) {
+    if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
+  }
+  delete s;
+}
+
+ThreadPool& ThreadPool::Default() {
+  static ThreadPool* pool = new ThreadPool(ThreadPoolOptions{0, "default", {}});
+  return *pool;
+}
+
+PoolState* ThreadPool::State() {
+  PoolState* s = state_.load(std::memory_order_acquire);
+  if (s != nullptr) return s;
+  // Only after a fork, in the child: build a fresh state; the first thread to install it wins.
+  auto* fresh = new PoolState();
+  if (state_.compare_exchange_strong(s, fresh)) return fresh;
+  delete fresh;
+  return s;
+}
+
+void ThreadPool::Post(std::function<void()> fn) {
+  if (!fn) throw Error(ErrorCode::kInvalidArgument, "ThreadPool::Post was given an empty task");
+  PoolState* s = State();
+  std::unique_lock<std::mutex> lk(s->mu);
+  if (s->stopping) {
+    throw Error(ErrorCode::kFailedPrecondition,
+                absl::StrCat("pool \"", options_.name, "\" is being destroyed; no new tasks"));
+  }
+  s->queue.push_back(std::move(fn));
+  EnsureWorkersLocked(s, num_threads_, lk);
+  s->work_cv.notify_one();
+}
+
+bool ThreadPool::TryRunOne() {
+  PoolState* s = State();
+  std::function<void()> task;
+  {
+    std::lock_guard<std::mutex> lk(s->mu);
+    // While paused for a fork only a worker may help: its in-flight task may wait for these.
+    if (s->queue.empty() || (s->paused && t_worker_state != s)) return false;
+    task = std::move(s->queue.front());
+    s->queue.pop_front();
+    ++s->running;
+  }
+  bool threw = false;
+  try {
+    task();
+  } catch (...) {
+    threw = true;
+  }
+  task = nullptr;
+  std::lock_guard<std::mutex> lk(s->mu);
+  --s->running;
+  ++s->tasks_completed;
+  if (threw) ++s->task_exceptions;
+  if (s->running == 0 && s->queue.empty()) s->idle_cv.notify_all();
+  if (s->paused) s->drain_cv.notify_all();
+  return true;
+}
+
+void ThreadPool::Wait() {
+  if (OnThisPoolsWorker()) {
+    throw Error(ErrorCode::kFailedPrecondition,
+                absl::StrCat("ThreadPool::Wait called from a worker of pool \"", options_.name,
+                             "\" would wait for itself; use a TaskGroup instead"));
+  }
+  PoolState* s = State();
+  std::unique_lock<std::mutex> lk(s->mu);
+  s->idle_cv.wait(lk, [s] { return s->queue.empty() && s->running == 0; });
+}
+
+void ThreadPool::ParallelFor(int64_t begin, int64_t end, int64_t grain,
+                             const std::function<void(int64_t, int64_t)>& body) {
+  if (grain < 1) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("ParallelFor grain must be >= 1, got ", grain));
+  }
+  if (end <= begin) return;
+  TaskGroup group(*this);
+  for (int64_t lo = begin; lo < end; lo += grain) {
+    const int64_t hi = std::min(end, lo + grain);
+    group.Run([&body, lo, hi] { body(lo, hi); });
+  }
+  group.Wait();
+}
+
+int ThreadPool::live_workers() const {
+  PoolState* s = state_.load();
+  if (s == nullptr) return 0;
+  std::lock_guard<std::mutex> lk(s->mu);
+  return s->live;
+}
+
+size_t ThreadPool::queued() const {
+  PoolState* s = state_.load();
+  if (s == nullptr) return 0;
+  std::lock_guard<std::mutex> lk(s->mu);
+  return s->queue.size();
+}
+
+ThreadPoolStats ThreadPool::stats() const {
+  ThreadPoolStats out;
+  PoolState* s = state_.load();
+  if (s != nullptr) {
+    std::lock_guard<std::mutex> lk(s->mu);
+    out.tasks_completed = s->tasks_completed;
+    out.task_exceptions = s->task_exceptions;
+  }
+  out.forks_drained = forks_drained_.load();
+  out.drain_timeouts = drain_timeouts_.load();
+  out.rebuilt_in_child = rebuilt_in_child_.load();
+  return out;
+}
+
+bool ThreadPool::OnWorkerThread() { return t_worker_state != nullptr; }
+
+bool ThreadPool::OnThisPoolsWorker() const {
+  return t_worker_state != nullptr && t_worker_state == state_.load();
+}
+
+bool ThreadPool::PrepareFork(int attempt, bool last) {
+  PoolState* s = state_.load();
+  if (s == nullptr) return true;  // never used since the last fork: nothing to quiesce
+  const auto now = std::chrono::steady_clock::now();
+  if (attempt == 1) drain_started_ = now;
+  const auto hard_deadline = drain_started_ + options_.drain_deadline;
+  // Each attempt waits a slice, so that a task blocked on a lock another subsystem took in
+  // prepare gets its chance after the registry rolls that subsystem back.
+  const auto slice = std::max<std::chrono::steady_clock::duration>(options_.drain_deadline / 8,
+                                                                    std::chrono::milliseconds(1));
+  const auto wait_until = last ? hard_deadline : std::min(hard_deadline, now + slice);
+  const int self = (t_worker_state == s) ? 1 : 0;  // a fork from our own worker
+
+  std::unique_lock<std::mutex> lk(s->mu);
+  s->paused = true;
+  s->work_cv.notify_all();
+  const bool drained =
+      s->drain_cv.wait_until(lk, wait_until, [s, self] { return s->live <= self; });
+  ReapExitedLocked(s, lk);
+  if (drained) {
+    forks_drained_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  if (!last && std::chrono::steady_clock::now() < hard_deadline) {
+    s->paused = false;  // roll back: let the workers go on until the next attempt
+    s->work_cv.notify_all();
+    return false;
+  }
+  drain_timeouts_.fetch_add(1, std::memory_order_relaxed);
+  AtForkRegistry::ReportEvent(
+      ForkEventKind::kDrainDeadlineExceeded, "thread_pool:" + options_.name,
+      absl::StrCat(s->running - self, " task(s) still running after the drain deadline of ",
+                   options_.drain_deadline.count(),
+                   " ms; the fork proceeds, the child gets a fresh pool, and the parent's "
+                   "tasks go on"));
+  return true;
+}
+
+void ThreadPool::ParentAfterFork() {
+  PoolState* s = state_.load();
+  if (s == nullptr) return;
+  std::unique_lock<std::mutex> lk(s->mu);
+  s->paused = false;
+  ReapExitedLocked(s, lk);
+  // Workers come back at once only where queued tasks wait for them; otherwise on next Post.
+  if (!s->queue.empty()) {
+    try {
+      EnsureWorkersLocked(s, num_threads_, lk);
+    } catch (...) {
+      // Out of threads right now: the next Post() tries again.
+    }
+  }
+  s->work_cv.notify_all();
+}
+
+void ThreadPool::ChildAfterFork() {
+  // Abandon the parent's state: its mutexes may be held by threads that do not exist here and its
+  // std::thread objects are joinable. Leaking it is the only safe choice (PyTorch's pthreadpool
+  // does the same). A fresh state is built on first use.
+  // Forked from a worker: the task keeps running on this thread and its loop then exits without
+  // touching the abandoned state (it compares ForkGeneration()).
+  state_.store(nullptr);
+  rebuilt_in_child_.store(1);
+  forks_drained_.store(0);
+  drain_timeouts_.store(0);
+}
+
+TaskGroup::TaskGroup(ThreadPool& pool) : pool_(pool) {}
+
+TaskGroup::~TaskGroup() {
+  try {
+    Wait();
+  } catch (...) {
+  }
+}
+
+void TaskGroup::Run(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++pending_;
+  }
+  try {
+    pool_.Post([this, fn = std::move(fn)] {
+      std::exception_ptr err;
+      try {
+        fn();
+      } catch (...) {
+        err = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lk(mu_);
+      if (err && !error_) error_ = err;
+      if (--pending_ == 0) cv_.notify_all();
+    });
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(mu_);
+    --pending_;
+    throw;
+  }
+}
+
+void TaskGroup::Wait() {
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      if (pending_ == 0) break;
+    }
+    if (pool_.TryRunOne()) continue;
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait_for(lk, std::chrono::milliseconds(1), [this] { return pending_ == 0; });
+  }
+  std::exception_ptr err;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    err = std::exchange(error_, nullptr);
+  }
+  if (err) std::rethrow_exception(err);
+}
+
+}  // namespace forksafe::runtime

@@ -1,0 +1,163 @@
+// runtime/thread_pool.h: the runtime's task pool, quiesced around every fork.
+//
+// What it offers
+//   ThreadPool runs tasks on worker threads: Submit() returns a std::future, Post() is
+//   fire-and-forget, TaskGroup waits for a set of tasks, ParallelFor splits a range. Workers start
+//   lazily on first use. ThreadPool::Default() is a process-wide pool.
+//
+// Fork behaviour (each pool registers itself with the at-fork registry)
+//   prepare: stop intake (queued tasks stay queued), let in-flight tasks finish within
+//            ThreadPoolOptions::drain_deadline, then join the idle workers. A fork issued from
+//            one of this pool's own workers does not wait for itself. If a task outlives the
+//            deadline the fork still proceeds and ForkEventKind::kDrainDeadlineExceeded is
+//            reported (before the deadline, prepare says "not yet" so the registry can roll back
+//            other subsystems that the task may be waiting for).
+//   parent:  intake resumes; queued tasks run again on fresh workers.
+//   child:   the inherited state (queue, mutexes, thread objects) is abandoned untouched; the pool
+//            is rebuilt empty on first use. Tasks queued in the parent never run in the child.
+//
+// Guarantees
+//   - All methods are thread-safe. Tasks run at most once, in FIFO order of submission per pool.
+//   - An exception thrown by a Submit() task reaches its future; one thrown by a Post() task is
+//     counted in stats().task_exceptions and otherwise dropped.
+//   - TaskGroup::Wait and ParallelFor called from a worker help run queued tasks instead of
+//     blocking, so nested parallelism does not deadlock.
+//
+// Hazards
+//   - Wait() from one of the pool's own workers would wait for itself: it throws
+//     kFailedPrecondition. Destroying a pool from one of its own workers is undefined.
+//   - A child forked from inside a task keeps running that task; when the task returns, its
+//     thread ends (and with it the child, if no other thread was started). Call _exit() or exec
+//     from the task instead of returning.
+#ifndef FORKSAFE_RUNTIME_THREAD_POOL_H_
+#define FORKSAFE_RUNTIME_THREAD_POOL_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace forksafe::runtime {
+
+/// Configuration of a ThreadPool.
+struct ThreadPoolOptions {
+  int num_threads = 0;  ///< 0 means std::thread::hardware_concurrency() (at least 1).
+  std::string name = "pool";
+  /// How long prepare waits for in-flight tasks before letting the fork go ahead regardless.
+  std::chrono::milliseconds drain_deadline{2000};
+};
+
+/// Counters, for tests and diagnostics.
+struct ThreadPoolStats {
+  uint64_t tasks_completed = 0;
+  uint64_t task_exceptions = 0;    ///< Exceptions thrown by Post() tasks.
+  uint64_t forks_drained = 0;      ///< Forks for which the pool was fully quiesced.
+  uint64_t drain_timeouts = 0;     ///< Forks that went ahead with tasks still running.
+  uint64_t rebuilt_in_child = 0;   ///< 1 when this pool was rebuilt after a fork in this process.
+};
+
+namespace internal {
+struct PoolState;
+}  // namespace internal
+
+/// A fork-safe pool of worker threads.
+class ThreadPool {
+ public:
+  /// Creates the pool (no thread starts until the first task). Throws kInvalidArgument for a
+  /// negative thread count or deadline.
+  explicit ThreadPool(ThreadPoolOptions options = {});
+  /// Runs every queued task, then joins the workers.
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  /// The process-wide pool (created on first use, never destroyed).
+  static ThreadPool& Default();
+
+  /// Queues `fn`; the returned future holds its result or exception.
+  template <typename Fn>
+  auto Submit(Fn&& fn) -> std::future<std::invoke_result_t<std::decay_t<Fn>>> {
+    using R = std::invoke_result_t<std::decay_t<Fn>>;
+    auto task = std::make_shared<std::packaged_task<R()>>(std::forward<Fn>(fn));
+    std::future<R> result = task->get_future();
+    Post([task] { (*task)(); });
+    return result;
+  }
+
+  /// Queues `fn` without a result.
+  void Post(std::function<void()> fn);
+
+  /// Blocks until the queue is empty and no task runs. Throws kFailedPrecondition from a worker.
+  void Wait();
+
+  /// Runs body(lo, hi) over [begin, end) in chunks of at most `grain` (>= 1), on the workers and
+  /// the calling thread; rethrows the first exception after all chunks finished.
+  void ParallelFor(int64_t begin, int64_t end, int64_t grain,
+                   const std::function<void(int64_t, int64_t)>& body);
+
+  /// Runs one queued task on the calling thread, if there is one. Returns whether it did.
+  bool TryRunOne();
+
+  /// The configured number of workers.
+  int num_threads() const { return num_threads_; }
+  /// Worker threads alive right now (0 before first use and right after a drain).
+  int live_workers() const;
+  /// Tasks queued and not yet started.
+  size_t queued() const;
+  const std::string& name() const { return options_.name; }
+  ThreadPoolStats stats() const;
+
+  /// True when the calling thread is a worker of any forksafe pool.
+  static bool OnWorkerThread();
+  /// True when the calling thread is a worker of this pool.
+  bool OnThisPoolsWorker() const;
+
+ private:
+  internal::PoolState* State();  // creates the state lazily (after a fork in the child)
+  bool PrepareFork(int attempt, bool last);
+  void ParentAfterFork();
+  void ChildAfterFork();
+
+  ThreadPoolOptions options_;
+  int num_threads_;
+  std::atomic<internal::PoolState*> state_{nullptr};
+  std::chrono::steady_clock::time_point drain_started_{};
+  std::atomic<uint64_t> forks_drained_{0};
+  std::atomic<uint64_t> drain_timeouts_{0};
+  std::atomic<uint64_t> rebuilt_in_child_{0};
+};
+
+/// A set of tasks on one pool that can be waited for together.
+class TaskGroup {
+ public:
+  explicit TaskGroup(ThreadPool& pool = ThreadPool::Default());
+  /// Waits for the group's tasks (exceptions are dropped: call Wait() to see them).
+  ~TaskGroup();
+  TaskGroup(const TaskGroup&) = delete;
+  TaskGroup& operator=(const TaskGroup&) = delete;
+
+  /// Queues `fn` as part of the group.
+  void Run(std::function<void()> fn);
+  /// Waits until every task of the group finished, helping run queued tasks meanwhile, then
+  /// rethrows the first exception a task threw (once).
+  void Wait();
+
+ private:
+  ThreadPool& pool_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int pending_ = 0;
+  std::exception_ptr error_;
+};
+
+}  // namespace forksafe::runtime
+
+#endif  // FORKSAFE_RUNTIME_THREAD_POOL_H_

@@ -1,0 +1,148 @@
+// The fork storm: hundreds of forks, from two threads, while other threads keep the runtime pool
+// and oneTBB busy and keep submitting, with the simulated accelerator initialized in the parent.
+// Every child uses the pool, oneTBB and the device registry and exits cleanly; some fork a
+// grandchild that does the same. Every wait is bounded.
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+#include "device/registry.h"
+#include "device/sim_backend.h"
+#include "gtest/gtest.h"
+#include "oneapi/tbb/blocked_range.h"
+#include "oneapi/tbb/parallel_reduce.h"
+#include "runtime/at_fork.h"
+#include "runtime/tbb_fork.h"
+#include "runtime/thread_pool.h"
+#include "tests/support/child_process.h"
+
+namespace forksafe {
+namespace {
+
+using forksafe::testing::ChildResult;
+using forksafe::testing::RunInChild;
+using namespace std::chrono_literals;
+
+long TbbSum(long n) {
+  return tbb::parallel_reduce(
+      tbb::blocked_range<long>(0, n), 0L,
+      [](const tbb::blocked_range<long>& r, long acc) {
+        for (long i = r.begin(); i != r.end(); ++i) acc += i;
+        return acc;
+      },
+      [](long a, long b) { return a + b; });
+}
+
+int64_t PoolSum(runtime::ThreadPool& pool, int64_t n) {
+  std::atomic<int64_t> s{0};
+  pool.ParallelFor(0, n, 64, [&](int64_t a, int64_t b) {
+    int64_t local = 0;
+    for (int64_t i = a; i < b; ++i) local += i;
+    s += local;
+  });
+  return s.load();
+}
+
+// What every child (and grandchild) checks. Returns 0 when all is well.
+int ChildWork(runtime::ThreadPool& pool, bool fork_grandchild) {
+  if (device::DefaultDevice() != device::kCPU) return 10;
+  if (!device::GetBackend(device::DeviceType::kSimAccel).poisoned()) return 11;
+  if (device::DeviceCount(device::DeviceType::kSimAccel) != 2) return 12;
+  if (PoolSum(pool, 5000) != 12497500) return 13;
+  runtime::ThreadPool fresh(runtime::ThreadPoolOptions{2, "child", 1000ms});
+  if (fresh.Submit([] { return 9; }).get() != 9) return 14;
+  if (runtime::TbbUsableInThisProcess() && TbbSum(20000) != 199990000L) return 15;
+  void* h = device::Allocate(device::kCPU, 4096);
+  device::Free(device::kCPU, h);
+  if (fork_grandchild) {
+    ChildResult gc = RunInChild([&pool] { return ChildWork(pool, false); }, 30s, 30);
+    if (!gc.ok()) {
+      fprintf(stderr, "grandchild: %s\n", gc.Describe().c_str());
+      return 16;
+    }
+  }
+  return 0;
+}
+
+TEST(ForkStormTest, HundredsOfForksUnderLoad) {
+  int forks_per_thread = 150;
+  if (const char* v = getenv("FORKSAFE_STORM_FORKS")) forks_per_thread = atoi(v) / 2;
+  runtime::ThreadPool pool(runtime::ThreadPoolOptions{2, "storm", 5000ms});
+  // The parent initializes and uses the accelerator.
+  const device::Device sim0(device::DeviceType::kSimAccel, 0);
+  void* dev = device::Allocate(sim0, 1 << 16);
+  device::SetDefaultDevice(sim0);
+
+  std::atomic<bool> stop{false};
+  std::atomic<long> submitted{0}, completed{0}, tbb_rounds{0};
+  std::thread feeder([&] {
+    while (!stop) {
+      pool.Post([&] {
+        volatile long x = 0;
+        for (int i = 0; i < 2000; ++i) x += i;
+        ++completed;
+      });
+      ++submitted;
+      if (submitted % 64 == 0) std::this_thread::sleep_for(200us);
+    }
+  });
+  // oneTBB is kept busy from pool workers, the way forksafe recommends (see runtime/tbb_fork.h):
+  // the drain joins them, which also releases their hold on oneTBB's scheduler.
+  runtime::ThreadPool tbb_pool(runtime::ThreadPoolOptions{1, "tbb_user", 5000ms});
+  std::thread tbb_user([&] {
+    while (!stop) {
+      auto round = tbb_pool.Submit([] { return TbbSum(50000); });
+      if (round.get() != 1249975000L) std::abort();
+      ++tbb_rounds;
+    }
+  });
+
+  std::atomic<int> failures{0}, total{0};
+  auto forker = [&](int id) {
+    for (int i = 0; i < forks_per_thread; ++i) {
+      const bool grandchild = i % 10 == 0;
+      ChildResult r = RunInChild([&] { return ChildWork(pool, grandchild); }, 60s, 60);
+      ++total;
+      if (!r.ok()) {
+        ++failures;
+        fprintf(stderr, "forker %d fork %d: child %s\n", id, i, r.Describe().c_str());
+      }
+    }
+  };
+  std::thread second_forker(forker, 1);
+  forker(0);
+  second_forker.join();
+  stop = true;
+  feeder.join();
+  tbb_user.join();
+  pool.Wait();
+
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(total.load(), 2 * forks_per_thread);
+  EXPECT_EQ(completed.load(), submitted.load()) << "every task submitted in the parent ran once";
+  EXPECT_GT(tbb_rounds.load(), 0);
+  const runtime::TbbForkStats tbb = runtime::GetTbbForkStats();
+  const runtime::ThreadPoolStats ps = pool.stats();
+  printf("storm: %d forks, %ld tasks, %ld oneTBB rounds in the parent; oneTBB finalized %llu, "
+         "refused %llu, gave up %llu; pool drained %llu, deadline hits %llu\n",
+         total.load(), completed.load(), tbb_rounds.load(),
+         static_cast<unsigned long long>(tbb.finalized),
+         static_cast<unsigned long long>(tbb.finalize_refused),
+         static_cast<unsigned long long>(tbb.gave_up),
+         static_cast<unsigned long long>(ps.forks_drained),
+         static_cast<unsigned long long>(ps.drain_timeouts));
+  RecordProperty("forks", total.load());
+  RecordProperty("tbb_gave_up", static_cast<int>(tbb.gave_up));
+  EXPECT_EQ(ps.drain_timeouts, 0u);
+  EXPECT_EQ(tbb.gave_up, 0u) << "oneTBB used from pool workers must always be quiesced";
+  device::Free(sim0, dev);
+  device::SetDefaultDevice(device::kCPU);
+}
+
+}  // namespace
+}  // namespace forksafe

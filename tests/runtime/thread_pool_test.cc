@@ -1,0 +1,234 @@
+// Tests of ThreadPool and TaskGroup, alone and across fork().
+#include "runtime/thread_pool.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <numeric>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "runtime/at_fork.h"
+#include "runtime/error.h"
+#include "tests/support/child_process.h"
+
+namespace forksafe::runtime {
+namespace {
+
+using forksafe::testing::RunInChild;
+using namespace std::chrono_literals;
+
+bool HasEvent(const ForkReport& r, ForkEventKind kind) {
+  for (const ForkEvent& e : r.events) {
+    if (e.kind == kind) return true;
+  }
+  return false;
+}
+
+TEST(ThreadPoolTest, SubmitReturnsResultsAndExceptions) {
+  ThreadPool pool(ThreadPoolOptions{2, "t", 2000ms});
+  EXPECT_EQ(pool.live_workers(), 0) << "workers must start lazily";
+  auto f = pool.Submit([] { return 6 * 7; });
+  EXPECT_EQ(f.get(), 42);
+  auto g = pool.Submit([]() -> int { throw std::runtime_error("task failed"); });
+  EXPECT_THROW(g.get(), std::runtime_error);
+  pool.Post([] { throw std::logic_error("dropped"); });
+  pool.Wait();
+  ThreadPoolStats s = pool.stats();
+  EXPECT_EQ(s.tasks_completed, 3u);
+  EXPECT_EQ(s.task_exceptions, 1u);
+  EXPECT_EQ(pool.live_workers(), 2);
+}
+
+TEST(ThreadPoolTest, BadArgumentsAreClearErrors) {
+  EXPECT_THROW(ThreadPool(ThreadPoolOptions{-1, "x", 10ms}), Error);
+  EXPECT_THROW(ThreadPool(ThreadPoolOptions{1, "x", -1ms}), Error);
+  ThreadPool pool(ThreadPoolOptions{1, "x", 10ms});
+  EXPECT_THROW(pool.Post(nullptr), Error);
+  try {
+    pool.ParallelFor(0, 10, 0, [](int64_t, int64_t) {});
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("grain"), std::string::npos);
+  }
+}
+
+TEST(ThreadPoolTest, ParallelForCoversTheRangeOnce) {
+  ThreadPool pool(ThreadPoolOptions{3, "pf", 2000ms});
+  std::vector<std::atomic<int>> hits(10007);
+  pool.ParallelFor(0, 10007, 100, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) hits[i].fetch_add(1);
+  });
+  for (auto& h : hits) ASSERT_EQ(h.load(), 1);
+}
+
+TEST(ThreadPoolTest, NestedParallelForFromWorkersDoesNotDeadlock) {
+  ThreadPool pool(ThreadPoolOptions{2, "nested", 2000ms});
+  std::atomic<int64_t> sum{0};
+  pool.ParallelFor(0, 8, 1, [&](int64_t lo, int64_t hi) {
+    pool.ParallelFor(0, 100, 10, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) sum += i;
+    });
+  });
+  EXPECT_EQ(sum.load(), 8 * 4950);
+}
+
+TEST(ThreadPoolTest, WaitFromAWorkerIsAnError) {
+  ThreadPool pool(ThreadPoolOptions{1, "w", 2000ms});
+  auto f = pool.Submit([&] {
+    try {
+      pool.Wait();
+    } catch (const Error& e) {
+      return e.code() == ErrorCode::kFailedPrecondition;
+    }
+    return false;
+  });
+  EXPECT_TRUE(f.get());
+}
+
+TEST(ThreadPoolTest, TaskGroupRethrowsFirstError) {
+  ThreadPool pool(ThreadPoolOptions{2, "g", 2000ms});
+  TaskGroup group(pool);
+  std::atomic<int> ran{0};
+  for (int i = 0; i < 10; ++i) {
+    group.Run([&, i] {
+      ++ran;
+      if (i == 3) throw std::runtime_error("three");
+    });
+  }
+  EXPECT_THROW(group.Wait(), std::runtime_error);
+  EXPECT_EQ(ran.load(), 10);
+  group.Wait();  // the error is reported once
+}
+
+TEST(ThreadPoolTest, DestructorRunsQueuedTasks) {
+  std::atomic<int> ran{0};
+  {
+    ThreadPool pool(ThreadPoolOptions{1, "d", 2000ms});
+    for (int i = 0; i < 50; ++i) pool.Post([&] { ++ran; });
+  }
+  EXPECT_EQ(ran.load(), 50);
+}
+
+TEST(ThreadPoolTest, RegistersAndUnregistersItsForkHandler) {
+  auto* pool = new ThreadPool(ThreadPoolOptions{1, "reg", 10ms});
+  EXPECT_TRUE(AtForkRegistry::Get().IsRegistered(pool));
+  delete pool;
+  EXPECT_FALSE(AtForkRegistry::Get().IsRegistered(pool));
+}
+
+// In-flight tasks finish before the fork; queued tasks stay with the parent and run after it;
+// the child gets an empty, working pool.
+TEST(ThreadPoolTest, ForkWhileBusyDrainsInFlightAndKeepsQueue) {
+  ThreadPool pool(ThreadPoolOptions{2, "busy", 5000ms});
+  std::atomic<int> started{0}, finished{0};
+  std::atomic<bool> in_flight_at_fork{false};
+  for (int i = 0; i < 40; ++i) {
+    pool.Post([&] {
+      ++started;
+      std::this_thread::sleep_for(2ms);
+      ++finished;
+    });
+  }
+  while (started < 2) std::this_thread::sleep_for(100us);
+  auto child = RunInChild([&] {
+    // In the child: nothing inherited runs, the queue is gone, and the pool works afresh.
+    if (pool.queued() != 0) return 1;
+    if (pool.live_workers() != 0) return 2;
+    const int f = finished.load();
+    std::this_thread::sleep_for(20ms);
+    if (finished.load() != f) return 3;  // no parent task ran here
+    auto r = pool.Submit([] { return 7; });
+    if (r.get() != 7) return 4;
+    std::atomic<int64_t> s{0};
+    pool.ParallelFor(0, 1000, 10, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) s += i;
+    });
+    if (s != 499500) return 5;
+    return pool.stats().rebuilt_in_child == 1 ? 0 : 6;
+  }, 30s);
+  // At the instant of the fork no task was in flight: started == finished then. The registry ran
+  // our prepare, so check the counters it left.
+  EXPECT_TRUE(child.ok()) << child.Describe();
+  pool.Wait();
+  EXPECT_EQ(finished.load(), 40) << "queued tasks must run in the parent after the fork";
+  EXPECT_GE(pool.stats().forks_drained, 1u);
+  EXPECT_EQ(pool.stats().drain_timeouts, 0u);
+  (void)in_flight_at_fork;
+}
+
+TEST(ThreadPoolTest, NoTaskIsInFlightAtTheForkInstant) {
+  ThreadPool pool(ThreadPoolOptions{2, "instant", 5000ms});
+  std::atomic<int> in_flight{0};
+  std::atomic<bool> stop{false};
+  std::thread feeder([&] {
+    while (!stop) {
+      pool.Post([&] {
+        ++in_flight;
+        std::this_thread::sleep_for(200us);
+        --in_flight;
+      });
+      std::this_thread::sleep_for(100us);
+    }
+  });
+  for (int i = 0; i < 20; ++i) {
+    // The child's copy of the counter shows what was running when the fork happened.
+    auto child = RunInChild([&] { return in_flight.load() == 0 ? 0 : 1; }, 20s);
+    ASSERT_TRUE(child.ok()) << "fork " << i << ": a task was in flight: " << child.Describe();
+  }
+  stop = true;
+  feeder.join();
+  pool.Wait();
+}
+
+TEST(ThreadPoolTest, ForkFromAWorkerDoesNotWaitForItself) {
+  ThreadPool pool(ThreadPoolOptions{2, "self", 5000ms});
+  std::atomic<int> other_tasks{0};
+  for (int i = 0; i < 4; ++i) pool.Post([&] { std::this_thread::sleep_for(1ms); ++other_tasks; });
+  auto result = pool.Submit([&] {
+    return RunInChild([&] {
+      // The child runs on the thread that forked; a fresh pool works here.
+      ThreadPool fresh(ThreadPoolOptions{2, "child", 1000ms});
+      return fresh.Submit([] { return 1; }).get() == 1 ? 0 : 1;
+    }, 20s);
+  });
+  auto child = result.get();
+  EXPECT_TRUE(child.ok()) << child.Describe();
+  pool.Wait();
+  EXPECT_EQ(other_tasks.load(), 4);
+  EXPECT_TRUE(AtForkRegistry::Get().LastReport().clean())
+      << AtForkRegistry::Get().LastReport().ToString();
+}
+
+TEST(ThreadPoolTest, TaskOutlivingTheDeadlineIsReportedAndForkProceeds) {
+  ThreadPool pool(ThreadPoolOptions{1, "slow", 50ms});
+  std::atomic<bool> started{false}, done{false};
+  pool.Post([&] {
+    started = true;
+    std::this_thread::sleep_for(400ms);
+    done = true;
+  });
+  while (!started) std::this_thread::sleep_for(100us);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto child = RunInChild([&] {
+    if (done.load()) return 1;  // the slow task had not finished at the fork
+    return pool.Submit([] { return 3; }).get() == 3 ? 0 : 2;
+  }, 20s);
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_TRUE(child.ok()) << child.Describe();
+  EXPECT_LT(waited, 350ms) << "the fork waited for the slow task instead of its deadline";
+  ForkReport r = AtForkRegistry::Get().LastReport();
+  EXPECT_TRUE(HasEvent(r, ForkEventKind::kDrainDeadlineExceeded)) << r.ToString();
+  EXPECT_EQ(pool.stats().drain_timeouts, 1u);
+  pool.Wait();
+  EXPECT_TRUE(done.load());
+  // And the pool still works in the parent.
+  EXPECT_EQ(pool.Submit([] { return 5; }).get(), 5);
+}
+
+}  // namespace
+}  // namespace forksafe::runtime

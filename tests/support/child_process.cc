@@ -1,0 +1,83 @@
+#include "tests/support/child_process.h"
+
+#include <signal.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <exception>
+#include <thread>
+
+namespace forksafe::testing {
+
+std::string ChildResult::Describe() const {
+  if (timed_out) return "timed out (killed by the test)";
+  if (exited) return "exited with " + std::to_string(exit_code);
+  if (signal != 0) {
+    return "killed by signal " + std::to_string(signal) + " (" + strsignal(signal) + ")";
+  }
+  return "did not end";
+}
+
+ChildResult WaitChild(pid_t pid, std::chrono::milliseconds timeout) {
+  ChildResult r;
+  r.pid = pid;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto sleep = std::chrono::microseconds(50);
+  int status = 0;
+  for (;;) {
+    const pid_t w = waitpid(pid, &status, WNOHANG);
+    if (w == pid) break;
+    if (w < 0 && errno != EINTR) {
+      r.exited = false;
+      return r;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      kill(pid, SIGKILL);
+      while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
+      r.timed_out = true;
+      return r;
+    }
+    std::this_thread::sleep_for(sleep);
+    if (sleep < std::chrono::milliseconds(5)) sleep *= 2;
+  }
+  if (WIFEXITED(status)) {
+    r.exited = true;
+    r.exit_code = WEXITSTATUS(status);
+  } else if (WIFSIGNALED(status)) {
+    r.signal = WTERMSIG(status);
+  }
+  return r;
+}
+
+ChildResult RunInChild(const std::function<int()>& body, std::chrono::milliseconds timeout,
+                       unsigned child_alarm_s) {
+  fflush(stdout);
+  fflush(stderr);
+  const pid_t pid = fork();
+  if (pid < 0) {
+    perror("fork");
+    return ChildResult{};
+  }
+  if (pid == 0) {
+    alarm(child_alarm_s);
+    int code = 0;
+    try {
+      code = body();
+    } catch (const std::exception& e) {
+      fprintf(stderr, "child %d threw: %s\n", getpid(), e.what());
+      code = 100;
+    } catch (...) {
+      fprintf(stderr, "child %d threw a non-std exception\n", getpid());
+      code = 100;
+    }
+    fflush(stdout);
+    fflush(stderr);
+    _exit(code);
+  }
+  return WaitChild(pid, timeout);
+}
+
+}  // namespace forksafe::testing

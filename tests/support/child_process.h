@@ -1,0 +1,42 @@
+// tests/support/child_process.h: bounded fork-and-wait helpers for tests.
+//
+// Every helper here ends by itself: a child gets an alarm() so a hang kills it, and the parent
+// waits at most a given time, then SIGKILLs and reaps the child and reports the timeout.
+#ifndef FORKSAFE_TESTS_SUPPORT_CHILD_PROCESS_H_
+#define FORKSAFE_TESTS_SUPPORT_CHILD_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <string>
+
+namespace forksafe::testing {
+
+/// How a child ended.
+struct ChildResult {
+  pid_t pid = -1;
+  bool exited = false;     ///< Exited normally; see exit_code.
+  int exit_code = -1;
+  int signal = 0;          ///< Killed by this signal (0 if it exited).
+  bool timed_out = false;  ///< The parent gave up waiting and killed it.
+  /// True when the child exited with status 0.
+  bool ok() const { return exited && exit_code == 0 && !timed_out; }
+  /// "exited with 0", "killed by signal 9 (Killed)", "timed out after 30000 ms".
+  std::string Describe() const;
+};
+
+/// Waits for `pid` at most `timeout`; on expiry kills it with SIGKILL, reaps it, and reports
+/// timed_out.
+ChildResult WaitChild(pid_t pid, std::chrono::milliseconds timeout);
+
+/// Forks; the child arms alarm(child_alarm_s), runs `body` and _exits with its return value
+/// (exit code 100 when it throws, after printing the exception). The parent waits at most
+/// `timeout`.
+ChildResult RunInChild(const std::function<int()>& body,
+                       std::chrono::milliseconds timeout = std::chrono::seconds(60),
+                       unsigned child_alarm_s = 60);
+
+}  // namespace forksafe::testing
+
+#endif  // FORKSAFE_TESTS_SUPPORT_CHILD_PROCESS_H_

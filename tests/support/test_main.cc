@@ -1,0 +1,51 @@
+// The main() of every forksafe test binary: GoogleTest plus a watchdog, so that a test that hangs
+// (a deadlock after fork, a child that never answers) fails with a message instead of stalling CI.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "gtest/gtest.h"
+
+namespace {
+
+char g_current_test[512] = "(none)";
+pid_t g_main_pid = 0;
+
+void OnAlarm(int) {
+  if (getpid() != g_main_pid) _exit(124);  // a forked child that inherited the alarm handler
+  static const char kPrefix[] = "\n*** forksafe test watchdog: no progress, test ";
+  static const char kSuffix[] = " hung; aborting the binary ***\n";
+  (void)!write(2, kPrefix, sizeof(kPrefix) - 1);
+  (void)!write(2, g_current_test, strlen(g_current_test));
+  (void)!write(2, kSuffix, sizeof(kSuffix) - 1);
+  _exit(124);
+}
+
+// Re-arms the per-test watchdog at the start of every test.
+class WatchdogListener : public ::testing::EmptyTestEventListener {
+ public:
+  explicit WatchdogListener(unsigned seconds) : seconds_(seconds) {}
+  void OnTestStart(const ::testing::TestInfo& info) override {
+    snprintf(g_current_test, sizeof(g_current_test), "%s.%s", info.test_suite_name(), info.name());
+    alarm(seconds_);
+  }
+  void OnTestEnd(const ::testing::TestInfo&) override { alarm(0); }
+
+ private:
+  unsigned seconds_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  g_main_pid = getpid();
+  signal(SIGALRM, OnAlarm);
+  unsigned seconds = 120;
+  if (const char* v = getenv("FORKSAFE_TEST_WATCHDOG_S")) seconds = static_cast<unsigned>(atoi(v));
+  ::testing::UnitTest::GetInstance()->listeners().Append(new WatchdogListener(seconds));
+  return RUN_ALL_TESTS();
+}

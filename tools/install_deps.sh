@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages forksafe builds with, when any is missing. Safe to re-run.
+# Needs root (or sudo); everything comes from Debian's archive (see docs/building.md).
+set -euo pipefail
+
+PACKAGES=(
+  bazel-bootstrap    # Bazel 4.2.3 (WORKSPACE mode)
+  bazel-rules-java   # the rules_java that Bazel 4.2.3 wants, as a local repository
+  build-essential    # g++ 12
+  libabsl-dev        # Abseil 20220623
+  libtbb-dev         # oneTBB 2021.8
+  libgtest-dev       # GoogleTest 1.12
+  libbenchmark-dev   # Google Benchmark 1.7
+  libdlpack-dev      # DLPack 0.6 headers
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ "${#missing[@]}" -eq 0 ]; then
+  echo "forksafe: all build dependencies are installed"
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then
+    SUDO="sudo"
+  else
+    echo "forksafe: missing packages: ${missing[*]}" >&2
+    echo "forksafe: run this script as root (or install sudo) so that it can install them" >&2
+    exit 1
+  fi
+fi
+
+echo "forksafe: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs the whole test suite: installs what is missing, then `bazel test //...`, then prints a
+# summary line "N passed, N failed, N skipped" counted over GoogleTest cases.
+#   bash tools/test.sh [extra bazel flags, e.g. --config=asan]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash tools/install_deps.sh || exit 1
+
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+bazel test --keep_going "$@" //... 2>&1 | grep -v "linux-sandbox" | tee "$log"
+status=${PIPESTATUS[0]}
+
+passed=0; failed=0; skipped=0
+testlogs="$(bazel info bazel-testlogs 2>/dev/null)"
+# One line per test target: "//pkg:name   PASSED in 0.1s" (or FAILED, TIMEOUT, ...).
+while read -r target result _; do
+  case "$result" in
+    PASSED|FAILED|TIMEOUT|FLAKY|INCOMPLETE|NO|"FAILED_TO_BUILD") ;;
+    *) continue ;;
+  esac
+  rel="${target#//}"; rel="${rel/://}"
+  xml="$testlogs/$rel/test.xml"
+  t=0; f=0; s=0
+  if [ -f "$xml" ]; then
+    head_line="$(grep -m1 '<testsuites' "$xml" || true)"
+    t="$(sed -n 's/.*<testsuites[^>]* tests="\([0-9]*\)".*/\1/p' <<<"$head_line")"; t=${t:-0}
+    f="$(sed -n 's/.*<testsuites[^>]* failures="\([0-9]*\)".*/\1/p' <<<"$head_line")"; f=${f:-0}
+    e="$(sed -n 's/.*<testsuites[^>]* errors="\([0-9]*\)".*/\1/p' <<<"$head_line")"; f=$((f + ${e:-0}))
+    s="$(grep -c '<skipped' "$xml" || true)"; s=${s:-0}
+  fi
+  if [ "$result" != "PASSED" ] && [ "$f" -eq 0 ]; then
+    f=1  # crashed, timed out or did not build: count the target as one failure
+  fi
+  passed=$((passed + t - f - s)); failed=$((failed + f)); skipped=$((skipped + s))
+done < <(grep -E '^//[^ ]+ +(\(cached\) +)?(PASSED|FAILED|TIMEOUT|FLAKY|INCOMPLETE|NO STATUS|FAILED TO BUILD)' "$log" \
+         | sed -E 's/\(cached\) +//; s/FAILED TO BUILD/FAILED_TO_BUILD/; s/NO STATUS/NO/')
+
+if [ "$passed" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$status" -ne 0 ]; then
+  failed=1  # the build itself failed before any test ran
+fi
+echo
+echo "$passed passed, $failed failed, $skipped skipped"
+exit "$status"
