@@ -15,6 +15,8 @@ const char* ErrorCodeName(ErrorCode code) noexcept {
     case ErrorCode::kResourceExhausted: return "resource_exhausted";
     case ErrorCode::kDeadlineExceeded: return "deadline_exceeded";
     case ErrorCode::kCancelled: return "cancelled";
+    case ErrorCode::kClosed: return "closed";
+    case ErrorCode::kOwnerDied: return "owner_died";
     case ErrorCode::kInternal: return "internal";
   }
   return "unknown";

@@ -31,6 +31,8 @@ enum class ErrorCode {
   kResourceExhausted,   ///< Out of memory, descriptors, /dev/shm, ...
   kDeadlineExceeded,    ///< A bounded wait ran out.
   kCancelled,           ///< Work was dropped before it ran (e.g. pool destroyed).
+  kClosed,              ///< The object, or the peer's end of a channel, was closed.
+  kOwnerDied,           ///< The process holding a shared lock died; state may be inconsistent.
   kInternal,            ///< A system call failed unexpectedly; the message carries errno.
 };
 

@@ -12,6 +12,7 @@ PACKAGES=(
   libgtest-dev       # GoogleTest 1.12
   libbenchmark-dev   # Google Benchmark 1.7
   libdlpack-dev      # DLPack 0.6 headers
+  libcereal-dev      # cereal 1.3: the value codec of mp/
 )
 
 missing=()

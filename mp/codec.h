@@ -1,0 +1,182 @@
+// mp/codec.h: the one value codec of forksafe::mp, with out-of-band file descriptors.
+//
+// What it offers
+//   Encode(values...) turns C++ values into a Message: bytes plus a list of file descriptors that
+//   travel beside the bytes (SCM_RIGHTS), like pickle protocol 5's out-of-band buffers.
+//   Decode(message, values...) does the reverse. Process arguments, Pipe and Queue messages all go
+//   through it. The bytes are cereal's binary archive (Debian's libcereal-dev): every standard
+//   type cereal supports works (arithmetic types, std::string, std::vector, std::map, std::tuple,
+//   std::optional, ...), and so does any user type with a cereal `serialize` (or save/load)
+//   member or free function. Types that own a file descriptor (Connection, Queue, Lock, shared
+//   segments) serialize it out of band through FileDescriptor.
+//
+// Guarantees
+//   - Decode never trusts the bytes: malformed or truncated input, or a descriptor index out of
+//     range, throws Error(kInvalidArgument); it never reads out of bounds.
+//   - Descriptors are dup()ed into the message on encode and owned by it; decode transfers
+//     ownership to the decoded FileDescriptor objects; whatever is not claimed is closed with the
+//     Message. Nothing leaks on any path.
+//   - Thread safety: Encode/Decode are reentrant; a Message is a plain value.
+#ifndef FORKSAFE_MP_CODEC_H_
+#define FORKSAFE_MP_CODEC_H_
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cereal/archives/binary.hpp"
+#include "cereal/cereal.hpp"
+#include "cereal/types/map.hpp"
+#include "cereal/types/optional.hpp"
+#include "cereal/types/string.hpp"
+#include "cereal/types/tuple.hpp"
+#include "cereal/types/utility.hpp"
+#include "cereal/types/vector.hpp"
+#include "runtime/error.h"
+
+namespace forksafe::mp {
+
+/// An owned file descriptor (move-only); closed on destruction.
+class FileDescriptor {
+ public:
+  FileDescriptor() = default;
+  /// Takes ownership of `fd` (-1 for none).
+  explicit FileDescriptor(int fd) : fd_(fd) {}
+  ~FileDescriptor() { reset(); }
+  FileDescriptor(FileDescriptor&& o) noexcept : fd_(o.release()) {}
+  FileDescriptor& operator=(FileDescriptor&& o) noexcept {
+    if (this != &o) reset(o.release());
+    return *this;
+  }
+  FileDescriptor(const FileDescriptor&) = delete;
+  FileDescriptor& operator=(const FileDescriptor&) = delete;
+
+  /// A new descriptor for the same open file (close-on-exec). Throws on failure.
+  static FileDescriptor Dup(int fd);
+
+  int get() const { return fd_; }
+  explicit operator bool() const { return fd_ >= 0; }
+  /// Gives up ownership and returns the descriptor.
+  int release() { return std::exchange(fd_, -1); }
+  /// Closes the current descriptor (if any) and takes `fd`.
+  void reset(int fd = -1);
+
+  /// cereal: the descriptor itself travels out of band; the bytes hold its index.
+  template <class Archive>
+  void save(Archive& ar) const;
+  template <class Archive>
+  void load(Archive& ar);
+
+ private:
+  int fd_ = -1;
+};
+
+/// Bytes plus out-of-band descriptors.
+struct Message {
+  std::string bytes;
+  std::vector<FileDescriptor> fds;
+};
+
+namespace internal {
+
+// The descriptor list of the message being encoded or decoded on this thread, so that
+// FileDescriptor::save/load can reach it (set for the duration of Encode/Decode; nests).
+struct CodecContext {
+  std::vector<FileDescriptor>* fds = nullptr;
+};
+CodecContext*& CurrentCodecContext();
+
+class ScopedCodecContext {
+ public:
+  explicit ScopedCodecContext(std::vector<FileDescriptor>* fds)
+      : ctx_{fds}, previous_(CurrentCodecContext()) {
+    CurrentCodecContext() = &ctx_;
+  }
+  ~ScopedCodecContext() { CurrentCodecContext() = previous_; }
+  ScopedCodecContext(const ScopedCodecContext&) = delete;
+  ScopedCodecContext& operator=(const ScopedCodecContext&) = delete;
+
+ private:
+  CodecContext ctx_;
+  CodecContext* previous_;
+};
+
+[[noreturn]] void ThrowMalformed(const char* what);
+[[noreturn]] void ThrowOutsideCodec();
+
+}  // namespace internal
+
+/// Encodes `values` into one Message.
+template <class... Ts>
+Message Encode(const Ts&... values) {
+  Message msg;
+  std::ostringstream os(std::ios::binary);
+  {
+    internal::ScopedCodecContext ctx(&msg.fds);
+    cereal::BinaryOutputArchive ar(os);
+    (ar(values), ...);
+  }
+  msg.bytes = std::move(os).str();
+  return msg;
+}
+
+/// Decodes `values` (in the order they were encoded) from `msg`, taking the descriptors they
+/// refer to. Throws Error(kInvalidArgument) on malformed input or leftover bytes.
+template <class... Ts>
+void Decode(Message& msg, Ts&... values) {
+  std::istringstream is(msg.bytes, std::ios::binary);
+  try {
+    internal::ScopedCodecContext ctx(&msg.fds);
+    cereal::BinaryInputArchive ar(is);
+    (ar(values), ...);
+  } catch (const cereal::Exception& e) {
+    internal::ThrowMalformed(e.what());
+  } catch (const std::length_error& e) {
+    internal::ThrowMalformed(e.what());
+  } catch (const std::bad_alloc&) {
+    internal::ThrowMalformed("a length field asks for more memory than exists");
+  }
+  if (is.peek() != std::char_traits<char>::eof()) internal::ThrowMalformed("trailing bytes");
+}
+
+/// Decodes one value of type T.
+template <class T>
+T DecodeAs(Message& msg) {
+  T value{};
+  Decode(msg, value);
+  return value;
+}
+
+template <class Archive>
+void FileDescriptor::save(Archive& ar) const {
+  internal::CodecContext* ctx = internal::CurrentCodecContext();
+  if (ctx == nullptr) internal::ThrowOutsideCodec();
+  int32_t index = -1;
+  if (fd_ >= 0) {
+    ctx->fds->push_back(Dup(fd_));
+    index = static_cast<int32_t>(ctx->fds->size() - 1);
+  }
+  ar(index);
+}
+
+template <class Archive>
+void FileDescriptor::load(Archive& ar) {
+  internal::CodecContext* ctx = internal::CurrentCodecContext();
+  if (ctx == nullptr) internal::ThrowOutsideCodec();
+  int32_t index = -1;
+  ar(index);
+  if (index == -1) {
+    reset();
+    return;
+  }
+  if (index < 0 || static_cast<size_t>(index) >= ctx->fds->size() || !(*ctx->fds)[index]) {
+    internal::ThrowMalformed("file descriptor index out of range or used twice");
+  }
+  reset((*ctx->fds)[index].release());
+}
+
+}  // namespace forksafe::mp
+
+#endif  // FORKSAFE_MP_CODEC_H_

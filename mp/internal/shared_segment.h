@@ -1,0 +1,89 @@
+// mp/internal/shared_segment.h: NOT FOR USERS. An anonymous shared memory file (memfd) mapped
+// MAP_SHARED. Forked children inherit the mapping; spawned children receive the descriptor
+// through the codec and map it again. Anonymous files leave nothing in /dev/shm, ever.
+#ifndef FORKSAFE_MP_INTERNAL_SHARED_SEGMENT_H_
+#define FORKSAFE_MP_INTERNAL_SHARED_SEGMENT_H_
+
+#include <cstddef>
+#include <memory>
+
+#include "mp/codec.h"
+
+namespace forksafe::mp::internal {
+
+/// A mapped memfd. Move-only; unmaps and closes on destruction.
+class SharedSegment {
+ public:
+  SharedSegment() = default;
+  ~SharedSegment();
+  SharedSegment(SharedSegment&& o) noexcept;
+  SharedSegment& operator=(SharedSegment&& o) noexcept;
+  SharedSegment(const SharedSegment&) = delete;
+  SharedSegment& operator=(const SharedSegment&) = delete;
+
+  /// A new zero-filled segment of `bytes` (> 0) bytes. `name` shows in /proc/PID/fd.
+  static SharedSegment Create(size_t bytes, const char* name);
+  /// Maps the segment behind `fd` (its whole size).
+  static SharedSegment Map(FileDescriptor fd);
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  int fd() const { return fd_.get(); }
+  explicit operator bool() const { return data_ != nullptr; }
+
+  template <class Archive>
+  void save(Archive& ar) const {
+    ar(fd_);
+  }
+  template <class Archive>
+  void load(Archive& ar) {
+    FileDescriptor fd;
+    ar(fd);
+    *this = Map(std::move(fd));
+  }
+
+ private:
+  FileDescriptor fd_;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+/// A shared, reference-free handle to a typed object in its own segment. Copies share it.
+template <class T>
+class SharedObject {
+ public:
+  SharedObject() = default;
+  /// Creates the segment and constructs T in it with `init(T*)`.
+  template <class Init>
+  static SharedObject Create(const char* name, Init&& init) {
+    SharedObject o;
+    o.seg_ = std::make_shared<SharedSegment>(SharedSegment::Create(sizeof(T), name));
+    init(o.get());
+    return o;
+  }
+  T* get() const { return seg_ ? static_cast<T*>(seg_->data()) : nullptr; }
+  T* operator->() const { return get(); }
+  explicit operator bool() const { return seg_ != nullptr; }
+
+  template <class Archive>
+  void save(Archive& ar) const {
+    ar(*seg_);
+  }
+  template <class Archive>
+  void load(Archive& ar) {
+    auto seg = std::make_shared<SharedSegment>();
+    ar(*seg);
+    if (seg->size() < sizeof(T)) {
+      throw runtime::Error(runtime::ErrorCode::kInvalidArgument,
+                           "malformed message: shared segment is smaller than the object it holds");
+    }
+    seg_ = std::move(seg);
+  }
+
+ private:
+  std::shared_ptr<SharedSegment> seg_;
+};
+
+}  // namespace forksafe::mp::internal
+
+#endif  // FORKSAFE_MP_INTERNAL_SHARED_SEGMENT_H_
