@@ -32,8 +32,8 @@ void Backend::EnsureUsable(const char* what) {
                              ") was forked from it afterwards; its device context and threads did "
                              "not survive fork(), so it cannot be used here. Start this process "
                              "with the \"spawn\" or \"forkserver\" start method (forksafe::mp), or "
-                             "initialize the backend only after forking. In this process the "
-                             "default device is cpu."));
+                             "initialize the backend only after forking. (A forked child's "
+                             "default device is cpu.)"));
   }
   struct Users {  // counts this thread as a user of init_mu_ for the whole critical section
     std::atomic<int>& n;

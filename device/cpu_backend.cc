@@ -18,7 +18,7 @@ DeviceProperties CpuBackend::Properties(int index) const {
   const long page_size = sysconf(_SC_PAGESIZE);
   p.total_memory = pages > 0 && page_size > 0 ? static_cast<size_t>(pages) * page_size : 0;
   p.host_accessible = true;
-  p.supports_ipc = true;
+  p.supports_ipc = false;  // plain host memory; shared tensors come with mp/
   return p;
 }
 

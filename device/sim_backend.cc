@@ -101,6 +101,12 @@ struct SimContext {
     done_cv.wait(lk, [&] { return completed >= ticket; });
   }
 
+  void WaitAll() {
+    std::unique_lock<std::mutex> lk(q_mu);
+    const uint64_t target = submitted;
+    done_cv.wait(lk, [&] { return completed >= target; });
+  }
+
   void Drain() {
     std::unique_lock<std::mutex> lk(q_mu);
     const uint64_t target = submitted;
@@ -144,13 +150,21 @@ SimBackend::~SimBackend() {
   // Backends live for the whole process; the context (and its device thread) is never torn down.
 }
 
-int SimBackend::DeviceCount() const { return internal::SimDeviceCount(); }
+int SimBackend::DeviceCount() const {
+  // Once the context exists its device list is fixed, whatever the environment says later.
+  if (state() == BackendState::kReady || state() == BackendState::kPoisoned) {
+    return ctx_ != nullptr ? static_cast<int>(ctx_->devices.size()) : 0;
+  }
+  return internal::SimDeviceCount();
+}
 
 DeviceProperties SimBackend::Properties(int index) const {
   CheckIndex(index, "Properties");
   DeviceProperties p;
   p.name = absl::StrCat("forksafe simulated accelerator ", index);
-  p.total_memory = internal::SimMemoryBytes();
+  p.total_memory = (ctx_ != nullptr && state() != BackendState::kUninitialized)
+                       ? ctx_->devices[index].size
+                       : internal::SimMemoryBytes();
   p.host_accessible = false;
   p.supports_ipc = false;
   return p;
@@ -211,7 +225,7 @@ void SimBackend::DoFree(int index, void* ptr) {
                          absl::StrCat("Free: pointer ", absl::Hex(v), " was not allocated on sim:",
                                       index));
   }
-  ctx_->Drain();  // like cudaFree: pending work on the memory completes first
+  ctx_->WaitAll();  // like cudaFree: pending work completes first (its errors stay for Synchronize)
   std::lock_guard<std::mutex> lk(ctx_->mem_mu);
   internal::SimDeviceMemory& dev = ctx_->devices[index];
   auto it = dev.allocations.find(off);

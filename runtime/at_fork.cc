@@ -201,7 +201,7 @@ void AtForkRegistry::Prepare() {
       bool ok = true;
       if (e.handler.prepare) {
         try {
-          ok = e.handler.prepare(PrepareAttempt{attempt, last});
+          ok = e.handler.prepare(PrepareAttempt{attempt, last, current_.fork_number});
         } catch (const std::exception& ex) {
           ok = false;
           ReportEvent(ForkEventKind::kHandlerThrew, e.handler.name,

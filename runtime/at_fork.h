@@ -52,8 +52,9 @@ namespace forksafe::runtime {
 
 /// Passed to a prepare callback: which attempt this is and whether it is the last one.
 struct PrepareAttempt {
-  int number = 1;     ///< 1-based attempt number within this fork.
-  bool last = false;  ///< On the last attempt a refusal no longer causes a retry.
+  int number = 1;            ///< 1-based attempt number within this fork.
+  bool last = false;         ///< On the last attempt a refusal no longer causes a retry.
+  uint64_t fork_number = 0;  ///< Identifies the fork (ForkReport::fork_number) across attempts.
 };
 
 /// The callbacks of one subsystem. Any of them may be empty.

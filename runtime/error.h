@@ -44,6 +44,8 @@ class Error : public std::runtime_error {
  public:
   /// Builds an error; `what()` reads "<code name>: <message>".
   Error(ErrorCode code, const std::string& message);
+  /// An empty kInternal error, for use as an out-parameter of Capture().
+  Error() : Error(ErrorCode::kInternal, "") {}
 
   /// The category of this error.
   ErrorCode code() const noexcept { return code_; }

@@ -24,6 +24,9 @@ TbbForkState& StateRef() {
 
 bool Prepare(const PrepareAttempt& attempt) {
   TbbForkState& st = StateRef();
+  // A process whose oneTBB was left inconsistent by an earlier fork must not touch it again;
+  // its children inherit the "unusable" flag.
+  if (!st.usable.load()) return true;
   if (!st.handle) st.handle = tbb::task_scheduler_handle(tbb::attach{});
   if (tbb::finalize(st.handle, std::nothrow)) {
     st.finalized.fetch_add(1, std::memory_order_relaxed);

@@ -43,6 +43,29 @@ namespace {
 using internal::PoolState;
 
 thread_local PoolState* t_worker_state = nullptr;
+// The pool whose tasks this thread is running right now (worker or helper), and how many nested.
+thread_local PoolState* t_running_state = nullptr;
+thread_local int t_running_depth = 0;
+
+// Marks the calling thread as running a task of `s` for a scope.
+class RunningTask {
+ public:
+  explicit RunningTask(PoolState* s) : prev_state_(t_running_state), prev_depth_(t_running_depth) {
+    if (t_running_state != s) {
+      t_running_state = s;
+      t_running_depth = 0;
+    }
+    ++t_running_depth;
+  }
+  ~RunningTask() {
+    t_running_state = prev_state_;
+    t_running_depth = prev_depth_;
+  }
+
+ private:
+  PoolState* prev_state_;
+  int prev_depth_;
+};
 
 void WorkerLoop(PoolState* s, PoolState::Worker* self) {
   t_worker_state = s;
@@ -55,12 +78,15 @@ void WorkerLoop(PoolState* s, PoolState::Worker* self) {
     ++s->running;
     lk.unlock();
     bool threw = false;
-    try {
-      task();
-    } catch (...) {
-      threw = true;
+    {
+      RunningTask mark(s);
+      try {
+        task();
+      } catch (...) {
+        threw = true;
+      }
+      task = nullptr;
     }
-    task = nullptr;
     if (ForkGeneration() != s->generation) {
       // This thread forked from inside the task and is now the only thread of a child: the
       // state belongs to the parent. Touch nothing; ending the thread is all that is left.
@@ -139,7 +165,7 @@ ThreadPool::ThreadPool(ThreadPoolOptions options) : options_(std::move(options))
   state_.store(new PoolState());
   AtForkHandler h;
   h.name = "thread_pool:" + options_.name;
-  h.prepare = [this](const PrepareAttempt& a) { return PrepareFork(a.number, a.last); };
+  h.prepare = [this](const PrepareAttempt& a) { return PrepareFork(a.fork_number, a.last); };
   h.parent = [this](bool) { ParentAfterFork(); };
   h.child = [this](bool) { ChildAfterFork(); };
   AtForkRegistry::Get().Register(this, std::move(h));
@@ -176,7 +202,11 @@ ThreadPool::~ThreadPool() {
 }
 
 ThreadPool& ThreadPool::Default() {
-  static ThreadPool* pool = new ThreadPool(ThreadPoolOptions{0, "default", {}});
+  static ThreadPool* pool = [] {
+    ThreadPoolOptions o;  // default deadline, one worker per core
+    o.name = "default";
+    return new ThreadPool(o);
+  }();
   return *pool;
 }
 
@@ -215,12 +245,16 @@ bool ThreadPool::TryRunOne() {
     ++s->running;
   }
   bool threw = false;
-  try {
-    task();
-  } catch (...) {
-    threw = true;
+  {
+    RunningTask mark(s);
+    try {
+      task();
+    } catch (...) {
+      threw = true;
+    }
+    task = nullptr;
   }
-  task = nullptr;
+  if (ForkGeneration() != s->generation) return true;  // forked inside the task: state is gone
   std::lock_guard<std::mutex> lk(s->mu);
   --s->running;
   ++s->tasks_completed;
@@ -290,11 +324,15 @@ bool ThreadPool::OnThisPoolsWorker() const {
   return t_worker_state != nullptr && t_worker_state == state_.load();
 }
 
-bool ThreadPool::PrepareFork(int attempt, bool last) {
+bool ThreadPool::PrepareFork(uint64_t fork_number, bool last) {
+  drained_this_fork_ = false;
   PoolState* s = state_.load();
   if (s == nullptr) return true;  // never used since the last fork: nothing to quiesce
   const auto now = std::chrono::steady_clock::now();
-  if (attempt == 1) drain_started_ = now;
+  if (fork_number != drain_fork_) {  // our first call for this fork, whatever the attempt number
+    drain_fork_ = fork_number;
+    drain_started_ = now;
+  }
   const auto hard_deadline = drain_started_ + options_.drain_deadline;
   // Each attempt waits a slice, so that a task blocked on a lock another subsystem took in
   // prepare gets its chance after the registry rolls that subsystem back.
@@ -302,15 +340,19 @@ bool ThreadPool::PrepareFork(int attempt, bool last) {
                                                                     std::chrono::milliseconds(1));
   const auto wait_until = last ? hard_deadline : std::min(hard_deadline, now + slice);
   const int self = (t_worker_state == s) ? 1 : 0;  // a fork from our own worker
+  // Tasks this thread is itself running (a fork from inside a task, on a worker or a helping
+  // thread) cannot finish before the fork: do not wait for them.
+  const int self_running = (t_running_state == s) ? t_running_depth : 0;
 
   std::unique_lock<std::mutex> lk(s->mu);
   s->paused = true;
   s->work_cv.notify_all();
-  const bool drained =
-      s->drain_cv.wait_until(lk, wait_until, [s, self] { return s->live <= self; });
+  const bool drained = s->drain_cv.wait_until(lk, wait_until, [s, self, self_running] {
+    return s->live <= self && s->running <= self_running;
+  });
   ReapExitedLocked(s, lk);
   if (drained) {
-    forks_drained_.fetch_add(1, std::memory_order_relaxed);
+    drained_this_fork_ = true;
     return true;
   }
   if (!last && std::chrono::steady_clock::now() < hard_deadline) {
@@ -321,7 +363,7 @@ bool ThreadPool::PrepareFork(int attempt, bool last) {
   drain_timeouts_.fetch_add(1, std::memory_order_relaxed);
   AtForkRegistry::ReportEvent(
       ForkEventKind::kDrainDeadlineExceeded, "thread_pool:" + options_.name,
-      absl::StrCat(s->running - self, " task(s) still running after the drain deadline of ",
+      absl::StrCat(s->running - self_running, " task(s) still running after the drain deadline of ",
                    options_.drain_deadline.count(),
                    " ms; the fork proceeds, the child gets a fresh pool, and the parent's "
                    "tasks go on"));
@@ -329,6 +371,7 @@ bool ThreadPool::PrepareFork(int attempt, bool last) {
 }
 
 void ThreadPool::ParentAfterFork() {
+  if (drained_this_fork_) forks_drained_.fetch_add(1, std::memory_order_relaxed);
   PoolState* s = state_.load();
   if (s == nullptr) return;
   std::unique_lock<std::mutex> lk(s->mu);

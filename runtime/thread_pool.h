@@ -122,7 +122,7 @@ class ThreadPool {
 
  private:
   internal::PoolState* State();  // creates the state lazily (after a fork in the child)
-  bool PrepareFork(int attempt, bool last);
+  bool PrepareFork(uint64_t fork_number, bool last);
   void ParentAfterFork();
   void ChildAfterFork();
 
@@ -130,6 +130,8 @@ class ThreadPool {
   int num_threads_;
   std::atomic<internal::PoolState*> state_{nullptr};
   std::chrono::steady_clock::time_point drain_started_{};
+  uint64_t drain_fork_ = 0;        // the fork drain_started_ belongs to (forks are serialized)
+  bool drained_this_fork_ = false;
   std::atomic<uint64_t> forks_drained_{0};
   std::atomic<uint64_t> drain_timeouts_{0};
   std::atomic<uint64_t> rebuilt_in_child_{0};

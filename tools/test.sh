@@ -22,6 +22,8 @@ while read -r target result _; do
   rel="${target#//}"; rel="${rel/://}"
   xml="$testlogs/$rel/test.xml"
   t=0; f=0; s=0
+  # A target that did not build (or got no status) this run may have an old test.xml: ignore it.
+  if [ "$result" = "FAILED_TO_BUILD" ] || [ "$result" = "NO" ]; then xml=/nonexistent; fi
   if [ -f "$xml" ]; then
     head_line="$(grep -m1 '<testsuites' "$xml" || true)"
     t="$(sed -n 's/.*<testsuites[^>]* tests="\([0-9]*\)".*/\1/p' <<<"$head_line")"; t=${t:-0}

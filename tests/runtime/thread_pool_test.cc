@@ -204,6 +204,41 @@ TEST(ThreadPoolTest, ForkFromAWorkerDoesNotWaitForItself) {
       << AtForkRegistry::Get().LastReport().ToString();
 }
 
+TEST(ThreadPoolTest, DefaultPoolWaitsForInFlightTasks) {
+  std::atomic<bool> started{false}, done{false};
+  ThreadPool::Default().Post([&] {
+    started = true;
+    std::this_thread::sleep_for(50ms);
+    done = true;
+  });
+  while (!started) std::this_thread::sleep_for(100us);
+  auto child = RunInChild([&] { return done.load() ? 0 : 1; }, 20s);
+  EXPECT_TRUE(child.ok()) << "the default pool forked with a task in flight: " << child.Describe();
+  EXPECT_TRUE(AtForkRegistry::Get().LastReport().clean())
+      << AtForkRegistry::Get().LastReport().ToString();
+}
+
+// A handler registered after the pool (so prepared before it) refuses the first attempt: the
+// pool is first asked on attempt 2 and must still measure its deadline from this fork.
+TEST(ThreadPoolTest, DrainDeadlineCountsFromThisForkEvenOnALaterAttempt) {
+  ThreadPool pool(ThreadPoolOptions{1, "late", 2000ms});
+  int handle;
+  AtForkHandler h;
+  h.name = "refuses_once";
+  h.prepare = [](const PrepareAttempt& a) { return a.number > 1; };
+  AtForkRegistration reg(&handle, std::move(h));
+  std::atomic<bool> started{false}, done{false};
+  pool.Post([&] {
+    started = true;
+    std::this_thread::sleep_for(50ms);
+    done = true;
+  });
+  while (!started) std::this_thread::sleep_for(100us);
+  auto child = RunInChild([&] { return done.load() ? 0 : 1; }, 20s);
+  EXPECT_TRUE(child.ok()) << child.Describe();
+  EXPECT_EQ(pool.stats().drain_timeouts, 0u);
+}
+
 TEST(ThreadPoolTest, TaskOutlivingTheDeadlineIsReportedAndForkProceeds) {
   ThreadPool pool(ThreadPoolOptions{1, "slow", 50ms});
   std::atomic<bool> started{false}, done{false};

@@ -22,7 +22,7 @@ struct ChildResult {
   bool timed_out = false;  ///< The parent gave up waiting and killed it.
   /// True when the child exited with status 0.
   bool ok() const { return exited && exit_code == 0 && !timed_out; }
-  /// "exited with 0", "killed by signal 9 (Killed)", "timed out after 30000 ms".
+  /// "exited with 0", "killed by signal 9 (Killed)", "timed out (killed by the test)".
   std::string Describe() const;
 };
 
