@@ -108,10 +108,10 @@ class ScopedCodecContext {
 
 }  // namespace internal
 
-/// Encodes `values` into one Message.
+/// Encodes `values` into `msg`, replacing its bytes and appending to its descriptors (those
+/// already there keep their indices, so a message can carry another message's descriptors).
 template <class... Ts>
-Message Encode(const Ts&... values) {
-  Message msg;
+void EncodeInto(Message& msg, const Ts&... values) {
   std::ostringstream os(std::ios::binary);
   {
     internal::ScopedCodecContext ctx(&msg.fds);
@@ -119,6 +119,13 @@ Message Encode(const Ts&... values) {
     (ar(values), ...);
   }
   msg.bytes = std::move(os).str();
+}
+
+/// Encodes `values` into one Message.
+template <class... Ts>
+Message Encode(const Ts&... values) {
+  Message msg;
+  EncodeInto(msg, values...);
   return msg;
 }
 

@@ -40,7 +40,8 @@ class WatchdogListener : public ::testing::EmptyTestEventListener {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+// Shared by the plain main below and mp_test_main.cc.
+int ForksafeTestMain(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   g_main_pid = getpid();
   signal(SIGALRM, OnAlarm);
@@ -49,3 +50,7 @@ int main(int argc, char** argv) {
   ::testing::UnitTest::GetInstance()->listeners().Append(new WatchdogListener(seconds));
   return RUN_ALL_TESTS();
 }
+
+#ifndef FORKSAFE_TEST_MAIN_NO_MAIN
+int main(int argc, char** argv) { return ForksafeTestMain(argc, argv); }
+#endif

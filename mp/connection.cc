@@ -1,0 +1,270 @@
+#include "mp/connection.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "mp/internal/shm_sync.h"
+#include "runtime/error.h"
+
+namespace forksafe::mp {
+namespace {
+
+using runtime::Error;
+using runtime::ErrorCode;
+
+constexpr uint32_t kMagic = 0x464D5350;  // "FSMP"
+
+struct FrameHeader {
+  uint32_t magic;
+  uint32_t nfds;
+  uint64_t length;
+};
+
+[[noreturn]] void ThrowPeerClosed(const char* what) {
+  throw Error(ErrorCode::kClosed,
+              absl::StrCat(what, ": the other end of the connection was closed (the peer "
+                                 "process closed it or exited)"));
+}
+
+// Writes all of [data, data+len) on a stream socket, the first chunk with `fds` attached.
+void SendAll(int sock, const char* data, size_t len, const std::vector<int>& fds) {
+  size_t off = 0;
+  bool fds_sent = fds.empty();
+  std::vector<char> cbuf;
+  while (off < len) {
+    iovec iov{const_cast<char*>(data + off), len - off};
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    if (!fds_sent) {
+      cbuf.assign(CMSG_SPACE(sizeof(int) * fds.size()), 0);
+      mh.msg_control = cbuf.data();
+      mh.msg_controllen = cbuf.size();
+      cmsghdr* c = CMSG_FIRSTHDR(&mh);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+      std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+    }
+    const ssize_t n = sendmsg(sock, &mh, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EPIPE || errno == ECONNRESET) ThrowPeerClosed("send");
+      if (errno == ETOOMANYREFS) {
+        throw Error(ErrorCode::kResourceExhausted,
+                    "send: too many descriptors in flight to the receiver; let it receive first");
+      }
+      runtime::ThrowSystemError("send on a connection", errno);
+    }
+    fds_sent = true;
+    off += static_cast<size_t>(n);
+  }
+}
+
+// Reads exactly `len` bytes; collects descriptors that arrive. Returns false on EOF before the
+// first byte (clean end of stream); throws on EOF in the middle.
+bool RecvAll(int sock, char* data, size_t len, std::vector<FileDescriptor>* fds) {
+  size_t off = 0;
+  while (off < len) {
+    iovec iov{data + off, len - off};
+    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * Connection::kMaxDescriptors)];
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf;
+    mh.msg_controllen = sizeof(cbuf);
+    const ssize_t n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == ECONNRESET) ThrowPeerClosed("recv");
+      runtime::ThrowSystemError("recv on a connection", errno);
+    }
+    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        const int* p = reinterpret_cast<const int*>(CMSG_DATA(c));
+        for (size_t i = 0; i < count; ++i) fds->emplace_back(p[i]);
+      }
+    }
+    if (n == 0) {
+      if (off == 0) return false;
+      throw Error(ErrorCode::kClosed,
+                  absl::StrCat("recv: the peer closed the connection in the middle of a message (",
+                               off, " of ", len, " bytes arrived)"));
+    }
+    off += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+bool PollFd(int fd, short events, Timeout timeout, const char* what) {
+  const internal::Deadline deadline = internal::DeadlineAfter(timeout, what);
+  for (;;) {
+    int ms = -1;
+    if (deadline.has_value()) {
+      const auto left = *deadline - internal::Clock::now();
+      ms = left.count() <= 0 ? 0
+                             : static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(left).count());
+    }
+    pollfd p{fd, events, 0};
+    const int rc = ::poll(&p, 1, ms);
+    if (rc < 0) {
+      if (errno == EINTR) continue;
+      runtime::ThrowSystemError(what, errno);
+    }
+    return rc > 0;
+  }
+}
+
+}  // namespace
+
+Connection::Connection(FileDescriptor socket, bool readable, bool writable)
+    : state_(std::make_shared<State>()) {
+  state_->fd = std::move(socket);
+  state_->readable = readable;
+  state_->writable = writable;
+}
+
+Connection::State& Connection::Live(const char* what) const {
+  if (!state_ || !state_->fd) {
+    throw Error(ErrorCode::kClosed, absl::StrCat(what, ": the connection is closed"));
+  }
+  return *state_;
+}
+
+void Connection::SendMessage(const Message& msg) {
+  State& s = Live("send");
+  if (!s.writable) {
+    throw Error(ErrorCode::kFailedPrecondition,
+                "send: this end of the pipe is read-only (Pipe(duplex=false) returns "
+                "(reader, writer))");
+  }
+  if (msg.bytes.size() > s.max_bytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("send: message of ", msg.bytes.size(), " bytes exceeds the limit of ",
+                             s.max_bytes, " bytes; raise it with set_max_message_bytes() on both "
+                             "ends, or send large data through shared memory"));
+  }
+  if (msg.fds.size() > kMaxDescriptors) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("send: a message may carry at most ", kMaxDescriptors,
+                             " file descriptors, this one has ", msg.fds.size()));
+  }
+  std::vector<int> fds;
+  fds.reserve(msg.fds.size());
+  for (const FileDescriptor& f : msg.fds) fds.push_back(f.get());
+  FrameHeader h{kMagic, static_cast<uint32_t>(fds.size()), msg.bytes.size()};
+  std::lock_guard<std::mutex> lk(s.send_mu);
+  const int sock = s.fd.get();
+  if (msg.bytes.size() <= 64 * 1024) {
+    // One write for header and payload: one system call for small messages.
+    std::string frame(sizeof(h) + msg.bytes.size(), '\0');
+    std::memcpy(frame.data(), &h, sizeof(h));
+    std::memcpy(frame.data() + sizeof(h), msg.bytes.data(), msg.bytes.size());
+    SendAll(sock, frame.data(), frame.size(), fds);
+  } else {
+    SendAll(sock, reinterpret_cast<const char*>(&h), sizeof(h), fds);
+    SendAll(sock, msg.bytes.data(), msg.bytes.size(), {});
+  }
+}
+
+Message Connection::RecvMessage(Timeout timeout) {
+  State& s = Live("recv");
+  if (!s.readable) {
+    throw Error(ErrorCode::kFailedPrecondition,
+                "recv: this end of the pipe is write-only (Pipe(duplex=false) returns "
+                "(reader, writer))");
+  }
+  std::lock_guard<std::mutex> lk(s.recv_mu);
+  const int sock = s.fd.get();
+  if (timeout.has_value() && !PollFd(sock, POLLIN, timeout, "recv")) {
+    throw Error(ErrorCode::kDeadlineExceeded,
+                absl::StrCat("recv: no message arrived within ", timeout->count(), " s"));
+  }
+  Message msg;
+  FrameHeader h;
+  if (!RecvAll(sock, reinterpret_cast<char*>(&h), sizeof(h), &msg.fds)) ThrowPeerClosed("recv");
+  if (h.magic != kMagic || h.nfds > kMaxDescriptors) {
+    s.fd.reset();
+    throw Error(ErrorCode::kInvalidArgument,
+                "recv: the stream is not a forksafe message stream (bad frame header); the "
+                "connection was closed");
+  }
+  if (h.length > s.max_bytes) {
+    s.fd.reset();
+    throw Error(ErrorCode::kResourceExhausted,
+                absl::StrCat("recv: incoming message of ", h.length, " bytes exceeds the limit of ",
+                             s.max_bytes, " bytes; the connection was closed. Raise the limit "
+                             "with set_max_message_bytes() on both ends"));
+  }
+  msg.bytes.resize(h.length);
+  if (h.length > 0 && !RecvAll(sock, msg.bytes.data(), h.length, &msg.fds)) {
+    ThrowPeerClosed("recv");
+  }
+  if (msg.fds.size() != h.nfds) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("recv: message announced ", h.nfds, " descriptors but carried ",
+                             msg.fds.size()));
+  }
+  return msg;
+}
+
+void Connection::send_bytes(std::string_view data) {
+  Message m;
+  m.bytes.assign(data.data(), data.size());
+  SendMessage(m);
+}
+
+std::string Connection::recv_bytes() { return RecvMessage(std::nullopt).bytes; }
+
+bool Connection::poll(Timeout timeout) const {
+  State& s = Live("poll");
+  return PollFd(s.fd.get(), POLLIN, timeout, "poll");
+}
+
+void Connection::close() {
+  if (!state_) return;
+  // Take both locks so no send/recv is midway through the descriptor.
+  std::lock_guard<std::mutex> a(state_->send_mu);
+  std::lock_guard<std::mutex> b(state_->recv_mu);
+  state_->fd.reset();
+}
+
+bool Connection::closed() const { return !state_ || !state_->fd; }
+
+int Connection::fileno() const { return state_ ? state_->fd.get() : -1; }
+
+size_t Connection::max_message_bytes() const {
+  return state_ ? state_->max_bytes : kDefaultMaxMessageBytes;
+}
+
+void Connection::set_max_message_bytes(size_t n) {
+  if (n == 0) throw Error(ErrorCode::kInvalidArgument, "max_message_bytes must be > 0");
+  Live("set_max_message_bytes").max_bytes = n;
+}
+
+std::pair<Connection, Connection> Pipe(bool duplex) {
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    const int err = errno;
+    if (err == EMFILE || err == ENFILE) {
+      throw Error(ErrorCode::kResourceExhausted,
+                  "Pipe: out of file descriptors; close unused connections or raise the limit "
+                  "(ulimit -n)");
+    }
+    runtime::ThrowSystemError("socketpair", err);
+  }
+  FileDescriptor a(sv[0]), b(sv[1]);
+  if (duplex) return {Connection(std::move(a), true, true), Connection(std::move(b), true, true)};
+  shutdown(a.get(), SHUT_WR);
+  shutdown(b.get(), SHUT_RD);
+  return {Connection(std::move(a), true, false), Connection(std::move(b), false, true)};
+}
+
+}  // namespace forksafe::mp

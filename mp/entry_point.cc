@@ -1,0 +1,63 @@
+#include "mp/entry_point.h"
+
+#include <cstdio>
+#include <map>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/error.h"
+
+namespace forksafe::mp::internal {
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  std::map<std::string, EntryInvoker> by_name;
+  std::map<const void*, std::string> by_fn;
+};
+
+Registry& Reg() {
+  static auto* r = new Registry();  // leaked: used until the process exits
+  return *r;
+}
+
+}  // namespace
+
+bool RegisterEntryPoint(const char* name, const void* fn, EntryInvoker invoker) {
+  Registry& r = Reg();
+  std::lock_guard<std::mutex> lk(r.mu);
+  auto it = r.by_name.find(name);
+  if (it != r.by_name.end()) {
+    if (r.by_fn.count(fn) && r.by_fn[fn] == name) return true;  // same function, twice
+    fprintf(stderr,
+            "forksafe: FORKSAFE_ENTRY_POINT(%s) names two different functions; the second "
+            "registration is ignored. Give one of them another name.\n",
+            name);
+    return false;
+  }
+  r.by_name.emplace(name, std::move(invoker));
+  r.by_fn.emplace(fn, name);
+  return true;
+}
+
+const EntryInvoker& FindEntryPoint(const std::string& name) {
+  Registry& r = Reg();
+  std::lock_guard<std::mutex> lk(r.mu);
+  auto it = r.by_name.find(name);
+  if (it == r.by_name.end()) {
+    throw runtime::Error(runtime::ErrorCode::kNotFound,
+                         absl::StrCat("no entry point named \"", name,
+                                      "\" is registered in this program; add FORKSAFE_ENTRY_POINT(",
+                                      name, ") at namespace scope next to the function"));
+  }
+  return it->second;
+}
+
+std::string EntryPointName(const void* fn) {
+  Registry& r = Reg();
+  std::lock_guard<std::mutex> lk(r.mu);
+  auto it = r.by_fn.find(fn);
+  return it == r.by_fn.end() ? std::string() : it->second;
+}
+
+}  // namespace forksafe::mp::internal

@@ -1,0 +1,71 @@
+// mp/internal/child.h: NOT FOR USERS. What runs in a child process, the lifeline that ties
+// children to their parent, the fork server, and the capture of stack traces at throw points.
+#ifndef FORKSAFE_MP_INTERNAL_CHILD_H_
+#define FORKSAFE_MP_INTERNAL_CHILD_H_
+
+#include <sys/types.h>
+
+#include <functional>
+#include <string>
+
+#include "mp/codec.h"
+#include "mp/connection.h"
+#include "mp/process.h"
+
+namespace forksafe::mp::internal {
+
+// ---- messages between parent, child and fork server -------------------------------------------
+// Parent -> spawned child (on its bootstrap socket, fd 3) and parent -> fork server:
+//   Encode(kind="run", entry, name, args_bytes, FileDescriptor result, FileDescriptor lifeline)
+//   followed (in fds) by the argument message's own descriptors.
+// Reports on the result channel are Encode(kind, payload): child -> parent "hello" (payload "")
+//   once running and "failure" (payload Encode(ChildFailure)) if the target threw; fork server ->
+//   parent "exit" (payload Encode(int32 wait_status)) after reaping. Fork server -> parent on the
+//   request socket: Encode(int32 pid).
+inline constexpr int kBootstrapFd = 3;
+inline constexpr const char* kChildFlag = "--forksafe-mp-child";
+inline constexpr const char* kServerFlag = "--forksafe-mp-forkserver";
+
+struct RunRequest {
+  std::string entry;
+  std::string name;
+  Message args;
+  FileDescriptor result;    // may be empty for spawn (then the bootstrap socket is used)
+  FileDescriptor lifeline;  // read end of the parent's lifeline pipe
+};
+Message EncodeRunRequest(const std::string& entry, const std::string& name, Message args,
+                         int result_fd, int lifeline_fd);
+RunRequest DecodeRunRequest(Message msg);
+void SendReport(Connection& c, const std::string& kind, const std::string& payload);
+
+// ---- lifeline ---------------------------------------------------------------------------------
+/// A new close-on-exec descriptor for the read end of this process's lifeline pipe (created on
+/// first use). Hand it to a child; the parent closes its copy after the child started.
+FileDescriptor LifelineReadEnd();
+/// In a child: start the thread that kills this process when `read_end` reports end-of-file.
+void WatchLifeline(FileDescriptor read_end);
+
+// ---- running a target in a child --------------------------------------------------------------
+/// Runs `target` as the body of a child process and never returns: reports "hello" and any
+/// exception on `result`, flushes stdio, and _exits with 0 (1 if it threw).
+[[noreturn]] void RunChildBody(const std::function<void()>& target, Connection result,
+                               const std::string& name);
+
+// ---- stack traces at throw points -------------------------------------------------------------
+/// Turns capture on for this thread (children turn it on around their target).
+void EnableThrowTraceCapture(bool on);
+/// The symbolized stack recorded at the most recent throw on this thread ("" if none).
+std::string LastThrowTrace();
+
+// ---- fork server ------------------------------------------------------------------------------
+/// The running fork server of this process (started on first use): sends a request and returns
+/// the pid of the new child.
+pid_t ForkServerRun(Message request);
+
+// ---- program path -----------------------------------------------------------------------------
+void SetArgv0(const char* argv0);
+const std::string& Argv0();
+
+}  // namespace forksafe::mp::internal
+
+#endif  // FORKSAFE_MP_INTERNAL_CHILD_H_

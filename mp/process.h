@@ -1,0 +1,200 @@
+// mp/process.h: Process, start methods, and the call that lets the library take over a spawned
+// child.
+//
+// What it offers
+//   Process runs a function in another process, as Python's multiprocessing.Process does:
+//   start(), join(timeout), is_alive(), pid(), exitcode() (negative signal number when killed by a
+//   signal), terminate(), kill(), close(). Three start methods:
+//   - "fork": fork() through the runtime's at-fork protocol (pools drained, framework lock held,
+//     devices reset in the child). Any callable works; its arguments are copied, not encoded.
+//   - "spawn": a fresh copy of this executable (posix_spawn of /proc/self/exe) that runs only the
+//     requested entry point. The target must be registered with FORKSAFE_ENTRY_POINT and its
+//     arguments go through the codec (descriptors out of band).
+//   - "forkserver": a server process, spawned once from a clean state (before any threads of
+//     user code) forks children on request. Its socket is an inherited socketpair, so no other
+//     process — let alone another user — can ask it for processes. Same target rules as spawn.
+//
+//   Programs that use spawn or forkserver call InitMain(argc, argv) first thing in main(): in a
+//   spawned child or the fork server it runs the library's side and never returns; otherwise it
+//   returns at once.
+//
+// Guarantees
+//   - Children die when their parent dies, however it dies (SIGKILL included): each child watches
+//     a "lifeline" pipe whose only writer is the parent, and kills itself on end-of-file, within
+//     milliseconds. Children are always reaped: no zombies stay behind a joined or destroyed
+//     Process.
+//   - If the target throws, the child reports the exception's type, message and the stack trace
+//     at the throw point to the parent (failure()), and exits with code 1.
+//   - A Process belongs to the process that started it: in a forked child, the inherited copy
+//     refuses to signal or wait (Error(kFailedPrecondition)) and its destructor does nothing.
+//   - Thread safety: one Process object is not to be used from several threads at once; different
+//     Process objects are independent.
+//
+// Hazards
+//   - ~Process of a started, non-daemon process waits for it to exit (as Python waits for
+//     non-daemonic children at exit); a daemon process is terminated (SIGTERM, then SIGKILL after
+//     one second). Join explicitly when the child may run long.
+//   - With "fork", the child runs with the parent's memory as it was at the fork: threads other
+//     than the caller do not exist there (the runtime makes its own pools and devices safe; your
+//     own threads and locks are your business, see runtime/at_fork.h).
+#ifndef FORKSAFE_MP_PROCESS_H_
+#define FORKSAFE_MP_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "cereal/details/traits.hpp"
+#include "mp/codec.h"
+#include "mp/connection.h"
+#include "mp/entry_point.h"
+
+namespace forksafe::mp {
+
+/// Takes over a spawned child or the fork server (and then never returns); returns at once in any
+/// other process. Call it first thing in main() of programs that use "spawn" or "forkserver".
+void InitMain(int argc, char** argv);
+
+/// {"fork", "spawn", "forkserver"}.
+std::vector<std::string> get_all_start_methods();
+/// The process-wide default start method ("fork" unless set).
+std::string get_start_method();
+/// Sets the default start method. Throws kInvalidArgument for an unknown name (listing the valid
+/// ones) and kFailedPrecondition when it was already set, unless `force`.
+void set_start_method(const std::string& method, bool force = false);
+
+/// How to start a Process.
+struct ProcessOptions {
+  std::string name;          ///< Default "Process-N".
+  bool daemon = false;       ///< Terminated, not waited for, when the Process is destroyed.
+  std::string start_method;  ///< "" means get_start_method().
+};
+
+/// What a child reported when its target threw.
+struct ChildFailure {
+  std::string type;       ///< The exception's type, demangled ("std::runtime_error").
+  std::string message;    ///< Its what().
+  std::string traceback;  ///< The child's stack at the throw, one frame a line (may be empty).
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(type, message, traceback);
+  }
+};
+
+/// A function running in another process.
+class Process {
+ public:
+  /// A process that will run fn(args...). See the start methods above for what fn may be.
+  template <class Fn, class... Args>
+  explicit Process(Fn&& fn, Args&&... args) : Process(ProcessOptions{}, std::forward<Fn>(fn),
+                                                      std::forward<Args>(args)...) {}
+
+  template <class Fn, class... Args>
+  Process(ProcessOptions options, Fn&& fn, Args&&... args) : Process(std::move(options), 0) {
+    Bind(std::forward<Fn>(fn), std::forward<Args>(args)...);
+  }
+
+  ~Process();
+  Process(Process&&) noexcept;
+  Process& operator=(Process&&) noexcept;
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  /// Starts the process. Throws kFailedPrecondition if already started or closed,
+  /// kInvalidArgument for an unknown start method, kNotFound for an unregistered target under
+  /// spawn/forkserver.
+  void start();
+  /// Waits until the process exits or `timeout` passes; returns whether it exited.
+  bool join(Timeout timeout = std::nullopt);
+  /// True between start() and the process's exit.
+  bool is_alive();
+  /// The child's pid (0 before start).
+  pid_t pid() const;
+  /// Exit code once exited (negative signal number if killed by a signal); nullopt before.
+  std::optional<int> exitcode();
+  /// Sends SIGTERM (no-op once exited).
+  void terminate();
+  /// Sends SIGKILL (no-op once exited).
+  void kill();
+  /// Releases resources; throws kFailedPrecondition while the process still runs.
+  void close();
+
+  const std::string& name() const;
+  bool daemon() const;
+  /// The start method used (or to be used).
+  std::string start_method() const;
+  /// The exception the target threw, once the process exited (nullopt if it did not throw).
+  std::optional<ChildFailure> failure();
+
+  struct Impl;
+
+ private:
+  Process(ProcessOptions options, int);  // allocates impl_
+
+  void SetTargets(std::function<void()> local, const void* fn, std::function<Message()> encode);
+
+  template <class R, class... Params, class... Args>
+  void Bind(R (*fn)(Params...), Args&&... args) {
+    auto tup = std::make_shared<std::tuple<std::decay_t<Params>...>>(std::forward<Args>(args)...);
+    std::function<Message()> encode;
+    if constexpr ((cereal::traits::is_output_serializable<std::decay_t<Params>,
+                                                          cereal::BinaryOutputArchive>::value &&
+                   ...)) {
+      encode = [tup] { return std::apply([](const auto&... a) { return Encode(a...); }, *tup); };
+    }
+    SetTargets([fn, tup] { std::apply(fn, *tup); }, reinterpret_cast<const void*>(fn),
+               std::move(encode));
+  }
+  template <class R, class... Params, class... Args>
+  void Bind(R (&fn)(Params...), Args&&... args) {
+    Bind(&fn, std::forward<Args>(args)...);
+  }
+  template <class F, class... Args,
+            class = std::enable_if_t<!std::is_function_v<std::remove_pointer_t<std::decay_t<F>>>>>
+  void Bind(F&& f, Args&&... args) {
+    auto call = [f = std::decay_t<F>(std::forward<F>(f)),
+                 tup = std::make_tuple(std::decay_t<Args>(std::forward<Args>(args))...)]() mutable {
+      std::apply(f, tup);
+    };
+    SetTargets(std::move(call), nullptr, nullptr);
+  }
+
+  std::unique_ptr<Impl> impl_;
+};
+
+/// A start method bound to a name, as returned by get_context() (Python's context objects).
+class Context {
+ public:
+  explicit Context(std::string method) : method_(std::move(method)) {}
+  const std::string& start_method() const { return method_; }
+  /// ProcessOptions with this context's start method.
+  ProcessOptions options(std::string name = "", bool daemon = false) const {
+    return ProcessOptions{std::move(name), daemon, method_};
+  }
+  /// A Process using this context's start method.
+  template <class Fn, class... Args>
+  Process MakeProcess(Fn&& fn, Args&&... args) const {
+    return Process(options(), std::forward<Fn>(fn), std::forward<Args>(args)...);
+  }
+
+ private:
+  std::string method_;
+};
+
+/// The context of `method` ("" = the default). Throws kInvalidArgument for an unknown name.
+Context get_context(const std::string& method = "");
+
+/// The name of a signal ("SIGSEGV") and its description ("Segmentation fault").
+std::string SignalName(int sig);
+
+}  // namespace forksafe::mp
+
+#endif  // FORKSAFE_MP_PROCESS_H_
