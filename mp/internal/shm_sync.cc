@@ -1,6 +1,11 @@
 #include "mp/internal/shm_sync.h"
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cerrno>
+#include <cstdint>
 #include <ctime>
 
 #include "absl/strings/str_cat.h"
@@ -90,34 +95,50 @@ void RobustMutex::Unlock() {
 }
 
 void SharedCond::Init() {
-  pthread_condattr_t a;
-  Check(pthread_condattr_init(&a), "pthread_condattr_init");
-  pthread_condattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-  pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
-  const int rc = pthread_cond_init(&c, &a);
-  pthread_condattr_destroy(&a);
-  Check(rc, "pthread_cond_init");
+  seq = 0;
+  waiters = 0;
 }
 
 bool SharedCond::Wait(RobustMutex& mu, Deadline deadline, bool* owner_died) {
-  int rc;
+  const uint32_t seen = __atomic_load_n(&seq, __ATOMIC_ACQUIRE);
+  __atomic_add_fetch(&waiters, 1, __ATOMIC_ACQ_REL);
+  mu.Unlock();
+  timespec ts;
+  timespec* abs = nullptr;
   if (deadline.has_value()) {
-    const timespec ts = ToMonotonic(*deadline);
-    rc = pthread_cond_timedwait(&c, &mu.m, &ts);
-  } else {
-    rc = pthread_cond_wait(&c, &mu.m);
+    ts = ToMonotonic(*deadline);
+    abs = &ts;
   }
-  if (rc == EOWNERDEAD) {
-    pthread_mutex_consistent(&mu.m);
-    if (owner_died != nullptr) *owner_died = true;
-    return true;
-  }
-  if (rc == ETIMEDOUT) return false;
-  Check(rc, "pthread_cond_wait on a shared condition");
-  return true;
+  // FUTEX_WAIT_BITSET takes an absolute CLOCK_MONOTONIC deadline. Not FUTEX_PRIVATE: the word is
+  // shared between processes.
+  const long rc = syscall(SYS_futex, &seq, FUTEX_WAIT_BITSET, seen, abs, nullptr,
+                          FUTEX_BITSET_MATCH_ANY);
+  const bool timed_out = rc == -1 && errno == ETIMEDOUT;
+  __atomic_sub_fetch(&waiters, 1, __ATOMIC_ACQ_REL);
+  if (mu.Lock() == LockResult::kOwnerDied && owner_died != nullptr) *owner_died = true;
+  return !timed_out;
 }
 
-void SharedCond::Signal() { pthread_cond_signal(&c); }
-void SharedCond::Broadcast() { pthread_cond_broadcast(&c); }
+void SharedCond::Signal() {
+  __atomic_add_fetch(&seq, 1, __ATOMIC_ACQ_REL);
+  if (__atomic_load_n(&waiters, __ATOMIC_ACQUIRE) > 0) {
+    syscall(SYS_futex, &seq, FUTEX_WAKE, 1, nullptr, nullptr, 0);
+  }
+}
+
+void SharedCond::Notify(int n) {
+  if (n <= 0) return;
+  __atomic_add_fetch(&seq, 1, __ATOMIC_ACQ_REL);
+  if (__atomic_load_n(&waiters, __ATOMIC_ACQUIRE) > 0) {
+    syscall(SYS_futex, &seq, FUTEX_WAKE, n, nullptr, nullptr, 0);
+  }
+}
+
+void SharedCond::Broadcast() {
+  __atomic_add_fetch(&seq, 1, __ATOMIC_ACQ_REL);
+  if (__atomic_load_n(&waiters, __ATOMIC_ACQUIRE) > 0) {
+    syscall(SYS_futex, &seq, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  }
+}
 
 }  // namespace forksafe::mp::internal

@@ -5,7 +5,12 @@
 //   - Mutexes are PTHREAD_PROCESS_SHARED and PTHREAD_MUTEX_ROBUST: when a process dies holding
 //     one, the next locker gets it with LockResult::kOwnerDied (the mutex is made consistent) and
 //     never hangs.
-//   - Condition variables use CLOCK_MONOTONIC, so timeouts ignore wall-clock changes.
+//   - Condition variables are our own, on a futex sequence counter, not pthread_cond_t: glibc's
+//     process-shared condition variable keeps per-waiter bookkeeping, and a waiter that dies
+//     inside pthread_cond_wait can make every later signal block forever (seen in
+//     tests/mp/queue_test: a producer SIGKILLed while waiting for room wedged the queue). A
+//     sequence counter keeps no per-waiter state, so a dead waiter costs at most a spurious
+//     wake-up. Timeouts use CLOCK_MONOTONIC.
 //   - All waits take an optional deadline; none is unbounded unless asked to be.
 #ifndef FORKSAFE_MP_INTERNAL_SHM_SYNC_H_
 #define FORKSAFE_MP_INTERNAL_SHM_SYNC_H_
@@ -39,15 +44,20 @@ struct RobustMutex {
   void Unlock();
 };
 
-/// A process-shared condition variable (CLOCK_MONOTONIC).
+/// A process-shared condition variable on a futex (robust to waiters that die; may wake
+/// spuriously, so callers wait in a loop on their predicate).
 struct SharedCond {
-  pthread_cond_t c;
+  uint32_t seq;      // bumped by every signal
+  uint32_t waiters;  // an upper bound on sleepers (a dead waiter only inflates it)
 
   void Init();
   /// Waits with `mu` held; returns false on timeout. Reports kOwnerDied through `owner_died`.
   bool Wait(RobustMutex& mu, Deadline deadline, bool* owner_died = nullptr);
   void Signal();
   void Broadcast();
+  /// Wakes up to `n` waiters.
+  void Notify(int n);
+  void NotifyAll() { Broadcast(); }
 };
 
 /// Holds a RobustMutex for a scope (waits forever).

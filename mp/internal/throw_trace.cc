@@ -44,14 +44,21 @@ void EnableThrowTraceCapture(bool on) {
 std::string LastThrowTrace() {
   const ThrowTrace& t = Trace();
   std::string out;
+  int shown = 0;
+  bool in_hook = true;
   for (int i = 0; i < t.depth; ++i) {
     char name[512];
     // Frames are return addresses; the call is the instruction before. A throw is often the last
     // call of its function, so pc itself can already belong to the next function.
     void* pc = static_cast<char*>(t.frames[i]) - 1;
     const char* sym = absl::Symbolize(pc, name, sizeof(name)) ? name : "(unknown)";
-    absl::StrAppend(&out, "  #", i, " ", absl::Hex(reinterpret_cast<uintptr_t>(t.frames[i])), " ",
-                    sym, "\n");
+    if (in_hook && (std::strstr(sym, "__cxa_throw") != nullptr ||
+                    std::strstr(sym, "GetStackTrace") != nullptr)) {
+      continue;  // the capture machinery itself
+    }
+    in_hook = false;
+    absl::StrAppend(&out, "  #", shown++, " ", absl::Hex(reinterpret_cast<uintptr_t>(t.frames[i])),
+                    " ", sym, "\n");
   }
   return out;
 }
@@ -66,7 +73,9 @@ using CxaThrow = void (*)(void*, std::type_info*, void (*)(void*));
 // Same declaration as <cxxabi.h>'s; this definition, in the executable, is found first.
 void __cxa_throw(void* obj, std::type_info* type, void (*dest)(void*)) {
   auto& t = forksafe::mp::internal::Trace();
-  if (t.enabled) t.depth = absl::GetStackTrace(t.frames, forksafe::mp::internal::kMaxFrames, 1);
+  // Skip nothing here: how many frames the unwinder itself shows varies with inlining. Frames
+  // of this hook are dropped when the trace is formatted.
+  if (t.enabled) t.depth = absl::GetStackTrace(t.frames, forksafe::mp::internal::kMaxFrames, 0);
   static CxaThrow real = reinterpret_cast<CxaThrow>(dlsym(RTLD_NEXT, "__cxa_throw"));
   if (real == nullptr) {
     fprintf(stderr, "forksafe: cannot find the C++ runtime's __cxa_throw\n");

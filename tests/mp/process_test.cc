@@ -140,6 +140,7 @@ TEST_P(ProcessTest, ExceptionReachesTheParentWithTypeMessageAndTrace) {
   ASSERT_TRUE(f.has_value());
   EXPECT_EQ(f->type, "std::invalid_argument");
   EXPECT_EQ(f->message, "bad shape");
+  EXPECT_NE(f->traceback.find("ThrowDeep"), std::string::npos) << f->traceback;
   EXPECT_NE(f->traceback.find("Thrower"), std::string::npos) << f->traceback;
 }
 

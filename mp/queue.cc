@@ -1,0 +1,410 @@
+#include "mp/queue.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "mp/internal/shm_sync.h"
+
+namespace forksafe::mp {
+
+using runtime::Error;
+using runtime::ErrorCode;
+
+namespace internal {
+
+// The shared header at the start of a queue's segment; the ring follows it.
+struct QueueShared {
+  RobustMutex mu;
+  SharedCond not_empty;
+  SharedCond not_full;
+  SharedCond all_done;
+  uint64_t ring_bytes;
+  uint64_t head;        // bytes ever written (committed)
+  uint64_t tail;        // bytes ever read
+  int64_t count;        // messages in the ring
+  int64_t maxsize;      // <= 0: unbounded
+  int64_t unfinished;   // JoinableQueue
+  uint64_t next_seq;    // sequence number of the next message that carries descriptors
+  uint64_t taken_seq;   // highest sequence whose descriptors a reader has taken off the socket
+  uint64_t magic;
+};
+
+constexpr uint64_t kQueueMagic = 0x6673717565756531ull;  // "fsqueue1"
+constexpr uint32_t kSpilled = 1u << 31;                 // record flag: payload is out of band
+
+struct RecordHeader {
+  uint32_t length;  // payload bytes in the ring (0 when spilled)
+  uint32_t nfds;    // descriptors on the side socket (kSpilled set: +1 memfd holding the payload)
+  uint64_t seq;     // sequence number of its descriptors (when nfds > 0)
+};
+
+}  // namespace internal
+
+struct Queue::State {
+  internal::SharedSegment seg;
+  FileDescriptor fd_w;  // side socket: descriptors in
+  FileDescriptor fd_r;  // side socket: descriptors out
+  std::mutex close_mu;
+  bool closed = false;
+
+  internal::QueueShared* hdr() const { return static_cast<internal::QueueShared*>(seg.data()); }
+  char* ring() const { return static_cast<char*>(seg.data()) + sizeof(internal::QueueShared); }
+};
+
+namespace {
+
+size_t RoundUp8(size_t n) { return (n + 7) & ~size_t{7}; }
+
+void RingWrite(char* ring, uint64_t cap, uint64_t pos, const void* src, size_t n) {
+  const size_t off = pos % cap;
+  const size_t first = std::min<size_t>(n, cap - off);
+  std::memcpy(ring + off, src, first);
+  if (first < n) std::memcpy(ring, static_cast<const char*>(src) + first, n - first);
+}
+
+void RingRead(const char* ring, uint64_t cap, uint64_t pos, void* dst, size_t n) {
+  const size_t off = pos % cap;
+  const size_t first = std::min<size_t>(n, cap - off);
+  std::memcpy(dst, ring + off, first);
+  if (first < n) std::memcpy(static_cast<char*>(dst) + first, ring, n - first);
+}
+
+// Sends `fds` tagged with `seq` on the side socket without blocking. Returns false on EAGAIN.
+bool SendFds(int sock, uint64_t seq, const std::vector<int>& fds) {
+  iovec iov{&seq, sizeof(seq)};
+  std::vector<char> cbuf(CMSG_SPACE(sizeof(int) * fds.size()), 0);
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = cbuf.data();
+  mh.msg_controllen = cbuf.size();
+  cmsghdr* c = CMSG_FIRSTHDR(&mh);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+  std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+  for (;;) {
+    const ssize_t n = sendmsg(sock, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n == sizeof(seq)) return true;
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
+    runtime::ThrowSystemError("queue: sending descriptors", n < 0 ? errno : EIO);
+  }
+}
+
+// Receives the descriptor batch tagged `seq`, discarding older batches (left by a producer that
+// died between sending descriptors and committing its message).
+std::vector<FileDescriptor> RecvFds(int sock, uint64_t seq) {
+  for (;;) {
+    uint64_t got = 0;
+    iovec iov{&got, sizeof(got)};
+    alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * Connection::kMaxDescriptors)];
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf;
+    mh.msg_controllen = sizeof(cbuf);
+    pollfd p{sock, POLLIN, 0};
+    if (::poll(&p, 1, 10000) == 0) {
+      throw Error(ErrorCode::kInternal,
+                  "queue: a message's descriptors did not arrive on the side channel");
+    }
+    const ssize_t n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC | MSG_WAITALL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n != sizeof(got)) {
+      throw Error(ErrorCode::kInternal, "queue: the descriptor channel broke");
+    }
+    std::vector<FileDescriptor> fds;
+    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        const size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        const int* p = reinterpret_cast<const int*>(CMSG_DATA(c));
+        for (size_t i = 0; i < k; ++i) fds.emplace_back(p[i]);
+      }
+    }
+    if (got == seq) return fds;
+    // An orphaned batch (got < seq): close it and read on.
+  }
+}
+
+FileDescriptor SpillToMemfd(const std::string& bytes) {
+  const int fd = memfd_create("forksafe:queue-item", MFD_CLOEXEC);
+  if (fd < 0) runtime::ThrowSystemError("memfd_create for a large queue item", errno);
+  FileDescriptor f(fd);
+  size_t off = 0;
+  while (off < bytes.size()) {
+    const ssize_t n = pwrite(fd, bytes.data() + off, bytes.size() - off, static_cast<off_t>(off));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == ENOSPC || errno == ENOMEM) {
+        throw Error(ErrorCode::kResourceExhausted,
+                    absl::StrCat("queue: no memory for a ", bytes.size(), "-byte item"));
+      }
+      runtime::ThrowSystemError("writing a large queue item", errno);
+    }
+    off += static_cast<size_t>(n);
+  }
+  return f;
+}
+
+std::string ReadMemfd(int fd) {
+  const off_t size = lseek(fd, 0, SEEK_END);
+  if (size < 0) runtime::ThrowSystemError("reading a large queue item", errno);
+  std::string out(static_cast<size_t>(size), '\0');
+  size_t off = 0;
+  while (off < out.size()) {
+    const ssize_t n = pread(fd, out.data() + off, out.size() - off, static_cast<off_t>(off));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) runtime::ThrowSystemError("reading a large queue item", n < 0 ? errno : EIO);
+    off += static_cast<size_t>(n);
+  }
+  return out;
+}
+
+// Holds the queue's shared mutex; a recovered lock (owner died) is fine: see the file comment.
+class QueueLock {
+ public:
+  QueueLock(internal::QueueShared* h, internal::Deadline deadline) : h_(h) {
+    held_ = h_->mu.Lock(deadline) != internal::LockResult::kTimedOut;
+  }
+  ~QueueLock() {
+    if (held_) h_->mu.Unlock();
+  }
+  bool held() const { return held_; }
+
+ private:
+  internal::QueueShared* h_;
+  bool held_;
+};
+
+}  // namespace
+
+Queue::Queue(int64_t maxsize) : Queue(QueueOptions{maxsize, QueueOptions{}.ring_bytes}) {}
+
+Queue::Queue(const QueueOptions& options) : state_(std::make_shared<State>()) {
+  if (options.ring_bytes < 4096) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("QueueOptions::ring_bytes must be >= 4096, got ", options.ring_bytes));
+  }
+  const size_t ring = RoundUp8(options.ring_bytes);
+  state_->seg = internal::SharedSegment::Create(sizeof(internal::QueueShared) + ring, "queue");
+  internal::QueueShared* h = state_->hdr();
+  h->mu.Init();
+  h->not_empty.Init();
+  h->not_full.Init();
+  h->all_done.Init();
+  h->ring_bytes = ring;
+  h->maxsize = options.maxsize;
+  h->next_seq = 1;
+  h->taken_seq = 0;
+  h->magic = internal::kQueueMagic;
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    runtime::ThrowSystemError("socketpair for a queue", errno);
+  }
+  state_->fd_w.reset(sv[0]);
+  state_->fd_r.reset(sv[1]);
+}
+
+Queue::State& Queue::Live(const char* what) const {
+  if (!state_ || state_->closed) {
+    throw Error(ErrorCode::kClosed, absl::StrCat(what, ": the queue is closed in this process"));
+  }
+  return *state_;
+}
+
+void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
+  State& s = Live("Queue::put");
+  const internal::Deadline deadline =
+      block ? internal::DeadlineAfter(timeout, "Queue::put") : internal::Clock::now();
+  internal::QueueShared* h = s.hdr();
+  const uint64_t cap = h->ring_bytes;
+  // Large payloads go out of band.
+  bool spilled = false;
+  if (msg.bytes.size() > cap / 4) {
+    msg.fds.push_back(SpillToMemfd(msg.bytes));
+    msg.bytes.clear();
+    spilled = true;
+  }
+  if (msg.fds.size() > Connection::kMaxDescriptors) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("Queue::put: a message may carry at most ", Connection::kMaxDescriptors,
+                             " descriptors"));
+  }
+  const size_t need = RoundUp8(sizeof(internal::RecordHeader) + msg.bytes.size());
+  std::vector<int> fds;
+  for (const FileDescriptor& f : msg.fds) fds.push_back(f.get());
+
+  QueueLock lock(h, deadline);
+  if (!lock.held()) throw Full("Queue::put: timed out waiting for the queue's lock");
+  for (;;) {
+    const bool room_by_count = h->maxsize <= 0 || h->count < h->maxsize;
+    const bool room_by_bytes = cap - (h->head - h->tail) >= need;
+    if (room_by_count && room_by_bytes) {
+      internal::RecordHeader rec{static_cast<uint32_t>(msg.bytes.size()),
+                                 static_cast<uint32_t>(fds.size()) | (spilled ? internal::kSpilled : 0u),
+                                 0};
+      if (!fds.empty()) {
+        rec.seq = h->next_seq;
+        if (!SendFds(s.fd_w.get(), rec.seq, fds)) {
+          // The side socket is full: let readers drain it, then try again.
+          h->not_full.Wait(h->mu, internal::Clock::now() + std::chrono::milliseconds(2));
+          if (deadline.has_value() && internal::Clock::now() >= *deadline) {
+            throw Full("Queue::put: timed out: too many messages with descriptors in flight");
+          }
+          continue;
+        }
+        ++h->next_seq;
+      }
+      RingWrite(s.ring(), cap, h->head, &rec, sizeof(rec));
+      RingWrite(s.ring(), cap, h->head + sizeof(rec), msg.bytes.data(), msg.bytes.size());
+      h->head += need;  // commit
+      ++h->count;
+      ++h->unfinished;
+      h->not_empty.Signal();
+      return;
+    }
+    if (need > cap) {
+      throw Error(ErrorCode::kInvalidArgument, "Queue::put: message larger than the ring");
+    }
+    if (deadline.has_value() && internal::Clock::now() >= *deadline) {
+      throw Full(block ? absl::StrCat("Queue::put: still full after ", timeout->count(), " s")
+                       : std::string("Queue::put_nowait: the queue is full"));
+    }
+    h->not_full.Wait(h->mu, deadline);
+  }
+}
+
+Message Queue::GetMessage(bool block, Timeout timeout) {
+  State& s = Live("Queue::get");
+  const internal::Deadline deadline =
+      block ? internal::DeadlineAfter(timeout, "Queue::get") : internal::Clock::now();
+  internal::QueueShared* h = s.hdr();
+  const uint64_t cap = h->ring_bytes;
+  QueueLock lock(h, deadline);
+  if (!lock.held()) throw Empty("Queue::get: timed out waiting for the queue's lock");
+  internal::RecordHeader rec;
+  uint32_t nfds = 0;
+  bool spilled = false;
+  for (;;) {
+    while (h->count == 0) {
+      if (deadline.has_value() && internal::Clock::now() >= *deadline) {
+        throw Empty(block ? absl::StrCat("Queue::get: nothing arrived within ", timeout->count(), " s")
+                          : std::string("Queue::get_nowait: the queue is empty"));
+      }
+      h->not_empty.Wait(h->mu, deadline);
+    }
+    RingRead(s.ring(), cap, h->tail, &rec, sizeof(rec));
+    spilled = (rec.nfds & internal::kSpilled) != 0;
+    nfds = rec.nfds & ~internal::kSpilled;
+    if (rec.length > cap || nfds > Connection::kMaxDescriptors) {
+      throw Error(ErrorCode::kInternal, "Queue::get: the queue's shared memory is corrupted");
+    }
+    if (nfds > 0 && rec.seq <= h->taken_seq) {
+      // A reader died after taking this message's descriptors and before committing: the message
+      // went with it. Drop the record.
+      h->tail += RoundUp8(sizeof(rec) + rec.length);
+      --h->count;
+      --h->unfinished;
+      continue;
+    }
+    break;
+  }
+  Message msg;
+  msg.bytes.resize(rec.length);
+  RingRead(s.ring(), cap, h->tail + sizeof(rec), msg.bytes.data(), rec.length);
+  if (nfds > 0) {
+    msg.fds = RecvFds(s.fd_r.get(), rec.seq);
+    h->taken_seq = rec.seq;
+  }
+  h->tail += RoundUp8(sizeof(rec) + rec.length);  // commit
+  --h->count;
+  h->not_full.Broadcast();
+  if (spilled) {
+    if (msg.fds.empty()) throw Error(ErrorCode::kInternal, "Queue::get: out-of-band item lost");
+    msg.bytes = ReadMemfd(msg.fds.back().get());
+    msg.fds.pop_back();
+  }
+  return msg;
+}
+
+int64_t Queue::qsize() const {
+  State& s = Live("Queue::qsize");
+  return __atomic_load_n(&s.hdr()->count, __ATOMIC_ACQUIRE);
+}
+
+bool Queue::full() const {
+  State& s = Live("Queue::full");
+  const int64_t max = s.hdr()->maxsize;
+  return max > 0 && qsize() >= max;
+}
+
+int64_t Queue::maxsize() const { return Live("Queue::maxsize").hdr()->maxsize; }
+
+void Queue::close() {
+  if (!state_) return;
+  std::lock_guard<std::mutex> lk(state_->close_mu);
+  state_->closed = true;
+}
+
+bool Queue::closed() const { return !state_ || state_->closed; }
+
+void JoinableQueue::task_done() {
+  State& s = Live("JoinableQueue::task_done");
+  internal::QueueShared* h = s.hdr();
+  internal::RobustLockGuard g(h->mu);
+  if (h->unfinished - h->count <= 0) {
+    throw Error(ErrorCode::kFailedPrecondition,
+                "JoinableQueue::task_done called more times than there were items gotten");
+  }
+  if (--h->unfinished == 0) h->all_done.Broadcast();
+}
+
+bool JoinableQueue::join(Timeout timeout) {
+  State& s = Live("JoinableQueue::join");
+  const internal::Deadline deadline = internal::DeadlineAfter(timeout, "JoinableQueue::join");
+  internal::QueueShared* h = s.hdr();
+  internal::RobustLockGuard g(h->mu);
+  while (h->unfinished > 0) {
+    if (!h->all_done.Wait(h->mu, deadline)) return h->unfinished == 0;
+  }
+  return true;
+}
+
+namespace internal {
+
+void SaveQueue(const std::shared_ptr<void>& state, FileDescriptor* seg, FileDescriptor* fd_w,
+               FileDescriptor* fd_r) {
+  auto* s = static_cast<Queue::State*>(state.get());
+  if (s == nullptr || s->closed) {
+    throw Error(ErrorCode::kClosed, "a closed queue cannot be sent to another process");
+  }
+  *seg = FileDescriptor::Dup(s->seg.fd());
+  *fd_w = FileDescriptor::Dup(s->fd_w.get());
+  *fd_r = FileDescriptor::Dup(s->fd_r.get());
+}
+
+std::shared_ptr<void> LoadQueue(FileDescriptor seg, FileDescriptor fd_w, FileDescriptor fd_r) {
+  auto s = std::make_shared<Queue::State>();
+  s->seg = SharedSegment::Map(std::move(seg));
+  if (s->seg.size() < sizeof(QueueShared) + 4096 || s->hdr()->magic != kQueueMagic ||
+      s->hdr()->ring_bytes != s->seg.size() - sizeof(QueueShared)) {
+    throw Error(ErrorCode::kInvalidArgument, "malformed message: not a forksafe queue segment");
+  }
+  s->fd_w = std::move(fd_w);
+  s->fd_r = std::move(fd_r);
+  return s;
+}
+
+}  // namespace internal
+}  // namespace forksafe::mp

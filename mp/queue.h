@@ -1,0 +1,195 @@
+// mp/queue.h: Queue, SimpleQueue and JoinableQueue — many producers, many consumers, any
+// processes.
+//
+// What it offers
+//   Python's multiprocessing queues in C++: put/get with block and timeout, put_nowait and
+//   get_nowait (throwing Full / Empty), qsize/empty/full, close; JoinableQueue adds task_done and
+//   join. Values go through the codec (mp/codec.h); descriptors inside them (a Connection, another
+//   Queue, a shared segment) travel too.
+//
+// How it works
+//   One shared-memory segment holds a ring buffer of framed messages plus a robust, process-shared
+//   mutex and condition variables; descriptors travel on a side socket, tagged with the sequence
+//   number of their message. Messages larger than a quarter of the ring go out of band, in an
+//   anonymous memory file passed as a descriptor, so no message is too big and big messages never
+//   wait for ring space.
+//
+// Guarantees (and the seeds' caveats that do not apply here)
+//   - put() returns once the message is in shared memory: there is no feeder thread, so no data is
+//     lost when the putting process exits or is killed right after put() returns, and a process
+//     that put items exits at once (Python's "joining processes that use queues" deadlock and the
+//     need for cancel_join_thread do not exist here).
+//   - Putting and getting in the same process works; so does forwarding a received value to
+//     another queue.
+//   - A process killed while holding the queue's lock cannot wedge it: the next process to lock it
+//     recovers (robust mutex); a message whose put had not completed is simply not there.
+//   - FIFO across all producers (the order in which put() calls took the lock).
+//   - Fork: inherited as is. Spawn/forkserver: pass the Queue as a Process argument.
+//   - Thread safety: all methods may be called from any thread of any process.
+//
+// Hazard: an unbounded Queue still has a finite ring (QueueOptions::ring_bytes, 1 MiB default):
+// when it is full of small messages that nobody gets, put() waits for space (or times out).
+#ifndef FORKSAFE_MP_QUEUE_H_
+#define FORKSAFE_MP_QUEUE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "mp/codec.h"
+#include "mp/connection.h"
+#include "mp/internal/shared_segment.h"
+#include "mp/timeout.h"
+#include "runtime/error.h"
+
+namespace forksafe::mp {
+
+/// put_nowait() on a full queue, or put() whose timeout passed.
+class Full : public runtime::Error {
+ public:
+  explicit Full(const std::string& what) : Error(runtime::ErrorCode::kResourceExhausted, what) {}
+};
+
+/// get_nowait() on an empty queue, or get() whose timeout passed.
+class Empty : public runtime::Error {
+ public:
+  explicit Empty(const std::string& what) : Error(runtime::ErrorCode::kUnavailable, what) {}
+};
+
+/// Sizing of a queue.
+struct QueueOptions {
+  /// Most messages the queue holds; <= 0 means no limit but the ring's size.
+  int64_t maxsize = 0;
+  /// Bytes of the shared ring (>= 4 KiB). Messages over a quarter of it go out of band.
+  size_t ring_bytes = size_t{1} << 20;
+};
+
+namespace internal {
+struct QueueShared;
+}
+
+/// A multi-producer, multi-consumer queue between processes.
+class Queue {
+ public:
+  /// A queue holding at most `maxsize` messages (<= 0: unbounded).
+  explicit Queue(int64_t maxsize = 0);
+  explicit Queue(const QueueOptions& options);
+  /// An empty handle (for decoding into); using it throws kClosed.
+  Queue(std::nullptr_t) {}
+
+  /// Puts `value`. With block, waits up to `timeout` for room; throws Full when there is none.
+  template <class T>
+  void put(const T& value, bool block = true, Timeout timeout = {}) {
+    PutMessage(Encode(value), block, timeout);
+  }
+  template <class T>
+  void put_nowait(const T& value) {
+    put(value, false);
+  }
+  /// Gets the oldest value. With block, waits up to `timeout`; throws Empty when there is none.
+  template <class T>
+  T get(bool block = true, Timeout timeout = {}) {
+    Message m = GetMessage(block, timeout);
+    return DecodeAs<T>(m);
+  }
+  template <class T>
+  T get_nowait() {
+    return get<T>(false);
+  }
+
+  /// The raw forms: a prepared message in, a message out.
+  void PutMessage(Message msg, bool block = true, Timeout timeout = {});
+  Message GetMessage(bool block = true, Timeout timeout = {});
+
+  /// Messages in the queue now (a snapshot).
+  int64_t qsize() const;
+  bool empty() const { return qsize() == 0; }
+  /// True when maxsize messages are queued.
+  bool full() const;
+  int64_t maxsize() const;
+
+  /// Closes this process's handle (all copies in this process). Idempotent. Other processes are
+  /// unaffected; messages already put stay in the queue.
+  void close();
+  bool closed() const;
+  /// For Python compatibility: there is no feeder thread, so these do nothing.
+  void join_thread() {}
+  void cancel_join_thread() {}
+
+  template <class Archive>
+  void save(Archive& ar) const;
+  template <class Archive>
+  void load(Archive& ar);
+
+ public:
+  struct State;  // internal
+
+ protected:
+  State& Live(const char* what) const;
+  std::shared_ptr<State> state_;
+  friend class JoinableQueue;
+};
+
+/// Python's SimpleQueue: put, get, empty, close, with no size limit and no timeouts.
+class SimpleQueue {
+ public:
+  SimpleQueue() : q_(QueueOptions{}) {}
+  template <class T>
+  void put(const T& value) {
+    q_.put(value);
+  }
+  template <class T>
+  T get() {
+    return q_.get<T>();
+  }
+  bool empty() const { return q_.empty(); }
+  void close() { q_.close(); }
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(q_);
+  }
+
+ private:
+  Queue q_;
+};
+
+/// A Queue whose consumers report completion: task_done() after each get(), join() waits until
+/// every item put has been reported done.
+class JoinableQueue : public Queue {
+ public:
+  explicit JoinableQueue(int64_t maxsize = 0) : Queue(maxsize) {}
+  explicit JoinableQueue(const QueueOptions& o) : Queue(o) {}
+  JoinableQueue(std::nullptr_t) : Queue(nullptr) {}
+  /// Marks one gotten item as processed. Throws kFailedPrecondition when called more times than
+  /// items were put.
+  void task_done();
+  /// Waits until every item put has been task_done()'d; returns false on timeout.
+  bool join(Timeout timeout = {});
+};
+
+// ---- serialization --------------------------------------------------------------------------
+namespace internal {
+void SaveQueue(const std::shared_ptr<void>& state, FileDescriptor* seg, FileDescriptor* fd_w,
+               FileDescriptor* fd_r);
+std::shared_ptr<void> LoadQueue(FileDescriptor seg, FileDescriptor fd_w, FileDescriptor fd_r);
+}  // namespace internal
+
+template <class Archive>
+void Queue::save(Archive& ar) const {
+  FileDescriptor seg, w, r;
+  internal::SaveQueue(std::static_pointer_cast<void>(state_), &seg, &w, &r);
+  ar(seg, w, r);
+}
+
+template <class Archive>
+void Queue::load(Archive& ar) {
+  FileDescriptor seg, w, r;
+  ar(seg, w, r);
+  state_ = std::static_pointer_cast<State>(internal::LoadQueue(std::move(seg), std::move(w), std::move(r)));
+}
+
+}  // namespace forksafe::mp
+
+#endif  // FORKSAFE_MP_QUEUE_H_
