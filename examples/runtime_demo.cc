@@ -7,10 +7,14 @@
 //   1. The parent keeps a thread pool and oneTBB busy, and computes on the simulated accelerator
 //      (explicit copies, a kernel, its default device set to sim:0).
 //   2. It forks in the middle of all that. The at-fork registry drains the pool (in-flight tasks
-//      finish, queued ones stay), joins oneTBB's workers and holds the framework lock.
-//   3. The child finds CPU as its default device, is refused the accelerator with an error that
-//      names the cure, and computes on a fresh pool and on oneTBB. It forks a grandchild too.
-//   4. The parent carries on: its queued tasks run, the accelerator still works.
+//      finish, queued ones stay), joins oneTBB's workers and holds the framework lock. The child
+//      finds CPU as its default device, is refused the accelerator with an error that names the
+//      cure, and computes on a fresh pool and on oneTBB. It forks a grandchild too.
+//   3. The parent carries on: its queued tasks run, the accelerator still works.
+//   4. The multiprocessing API: spawn() starts fresh processes (the "spawn" start method) that
+//      send their results through a Queue.
+//   5. A rank that throws is reported in the parent with its index, exception and stack trace,
+//      and the other ranks are stopped.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,6 +26,8 @@
 #include <vector>
 
 #include "device/registry.h"
+#include "mp/queue.h"
+#include "mp/spawn.h"
 #include "device/sim_backend.h"
 #include "oneapi/tbb/blocked_range.h"
 #include "oneapi/tbb/parallel_reduce.h"
@@ -77,6 +83,27 @@ std::vector<float> ScaleOnAccelerator(const std::vector<float>& in, float factor
   return out;
 }
 
+// A rank of the spawn() example: sums its slice of 0..n-1 on a fresh pool and reports it.
+void SumSlice(int rank, forksafe::mp::Queue results, long n, int world) {
+  fr::ThreadPool pool(fr::ThreadPoolOptions{2, "rank", 2000ms});
+  const long lo = n * rank / world, hi = n * (rank + 1) / world;
+  std::atomic<long long> sum{0};
+  pool.ParallelFor(lo, hi, 10000, [&](int64_t a, int64_t b) {
+    long long s = 0;
+    for (int64_t i = a; i < b; ++i) s += i;
+    sum += s;
+  });
+  results.put(std::make_tuple(rank, static_cast<int>(getpid()), sum.load()));
+}
+FORKSAFE_ENTRY_POINT(SumSlice);
+
+// A rank that fails, to show error propagation.
+void FailingRank(int rank) {
+  if (rank == 1) throw std::runtime_error("rank 1 ran out of patience");
+  std::this_thread::sleep_for(30s);  // the others are terminated when rank 1 fails
+}
+FORKSAFE_ENTRY_POINT(FailingRank);
+
 int Child(fr::ThreadPool& pool) {
   printf("  [child %d] default device: %s (the parent's was sim:0)\n", getpid(),
          fd::DefaultDevice().ToString().c_str());
@@ -117,7 +144,41 @@ int Child(fr::ThreadPool& pool) {
 
 }  // namespace
 
-int main() {
+bool MultiprocessingDemo() {
+  namespace mp = forksafe::mp;
+  printf("\n4. spawn(): 3 fresh processes sum 0..9999999 in slices and put results on a Queue.\n");
+  mp::Queue results;
+  mp::SpawnOptions opts;
+  opts.nprocs = 3;
+  opts.start_method = "spawn";
+  const long n = 10'000'000;
+  mp::spawn(&SumSlice, std::make_tuple(results, n, 3), opts);
+  long long total = 0;
+  for (int i = 0; i < 3; ++i) {
+    auto [rank, pid, sum] = results.get<std::tuple<int, int, long long>>(true, 10.0);
+    printf("   rank %d (pid %d): %lld\n", rank, pid, sum);
+    total += sum;
+  }
+  const bool sum_ok = total == static_cast<long long>(n) * (n - 1) / 2;
+  printf("   total %lld (%s)\n", total, sum_ok ? "correct" : "WRONG");
+
+  printf("\n5. A rank that throws: the parent gets its index, exception and stack trace.\n");
+  opts.grace_period = 1s;
+  bool reported = false;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    mp::spawn(&FailingRank, std::make_tuple(), opts);
+  } catch (const mp::ProcessRaisedException& e) {
+    reported = e.error_index() == 1;
+    printf("   caught ProcessRaisedException after %.0f ms:\n%s\n",
+           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+           e.what());
+  }
+  return sum_ok && reported;
+}
+
+int main(int argc, char** argv) {
+  forksafe::mp::InitMain(argc, argv);  // spawned children take over here
   alarm(60);  // a demo must never hang
   setvbuf(stdout, nullptr, _IOLBF, 0);
   printf("forksafe runtime demo (pid %d)\n\n", getpid());
@@ -174,7 +235,8 @@ int main() {
          done.load());
   scaled = ScaleOnAccelerator({5.f}, 2.f);
   printf("   sim:0 still works in the parent: 5 * 2 = %g\n", scaled[0]);
-  printf("\n%s\n", child_ok ? "demo OK: the child computed on fresh pools on CPU"
-                            : "demo FAILED: see the child's output above");
-  return child_ok ? 0 : 1;
+  const bool mp_ok = MultiprocessingDemo();
+  const bool ok = child_ok && mp_ok;
+  printf("\n%s\n", ok ? "demo OK" : "demo FAILED: see the output above");
+  return ok ? 0 : 1;
 }

@@ -32,13 +32,13 @@ std::string ExitedMessage(int index, pid_t pid, int code) {
 }  // namespace
 
 ProcessRaisedException::ProcessRaisedException(int index, pid_t pid, ChildFailure failure)
-    : Error(ErrorCode::kInternal, RaisedMessage(index, pid, failure)),
+    : Error(ErrorCode::kProcessFailed, RaisedMessage(index, pid, failure)),
       index_(index),
       pid_(pid),
       failure_(std::move(failure)) {}
 
 ProcessExitedException::ProcessExitedException(int index, pid_t pid, int exit_code)
-    : Error(ErrorCode::kInternal, ExitedMessage(index, pid, exit_code)),
+    : Error(ErrorCode::kProcessFailed, ExitedMessage(index, pid, exit_code)),
       index_(index),
       pid_(pid),
       exit_code_(exit_code),

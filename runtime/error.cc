@@ -17,6 +17,7 @@ const char* ErrorCodeName(ErrorCode code) noexcept {
     case ErrorCode::kCancelled: return "cancelled";
     case ErrorCode::kClosed: return "closed";
     case ErrorCode::kOwnerDied: return "owner_died";
+    case ErrorCode::kProcessFailed: return "process_failed";
     case ErrorCode::kInternal: return "internal";
   }
   return "unknown";

@@ -33,6 +33,7 @@ enum class ErrorCode {
   kCancelled,           ///< Work was dropped before it ran (e.g. pool destroyed).
   kClosed,              ///< The object, or the peer's end of a channel, was closed.
   kOwnerDied,           ///< The process holding a shared lock died; state may be inconsistent.
+  kProcessFailed,       ///< Another process failed: it threw, exited non-zero or was killed.
   kInternal,            ///< A system call failed unexpectedly; the message carries errno.
 };
 
