@@ -22,23 +22,6 @@ using runtime::ErrorCode;
 
 int32_t CurrentThreadId() { return static_cast<int32_t>(gettid()); }
 
-timespec ToMonotonicTimespec(Clock::time_point t) {
-  // steady_clock is CLOCK_MONOTONIC on Linux/glibc, the clock FUTEX_WAIT_BITSET uses by default.
-  const auto ns =
-      std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
-  timespec ts;
-  ts.tv_sec = static_cast<time_t>(ns / 1000000000);
-  ts.tv_nsec = static_cast<long>(ns % 1000000000);
-  return ts;
-}
-
-long Futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout,
-           uint32_t value3) {
-  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes (keyed by the memfd's inode).
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr,
-                 value3);
-}
-
 // Locks one of the objects' own (internal) mutexes for a scope. Those are held only for a few
 // stores, so a dead holder is the only way to find them inconsistent; owner_died() reports it.
 class StateGuard {
