@@ -1,6 +1,7 @@
 #include "mp/codec.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -31,6 +32,23 @@ namespace internal {
 CodecContext*& CurrentCodecContext() {
   thread_local CodecContext* ctx = nullptr;
   return ctx;
+}
+
+int32_t AddDescriptor(CodecContext& ctx, int fd) {
+  struct stat st;
+  std::tuple<uint64_t, uint64_t, int> key{0, 0, 0};
+  const int fl = fcntl(fd, F_GETFL);
+  const bool known = fstat(fd, &st) == 0 && fl >= 0;
+  if (known) {
+    key = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), fl & O_ACCMODE};
+    for (const auto& [k, i] : ctx.seen) {
+      if (k == key) return i;
+    }
+  }
+  ctx.fds->push_back(FileDescriptor::Dup(fd));
+  const int32_t index = static_cast<int32_t>(ctx.fds->size() - 1);
+  if (known) ctx.seen.emplace_back(key, index);
+  return index;
 }
 
 void ThrowOutsideCodec() {

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -85,7 +86,13 @@ namespace internal {
 // FileDescriptor::save/load can reach it (set for the duration of Encode/Decode; nests).
 struct CodecContext {
   std::vector<FileDescriptor>* fds = nullptr;
+  // Files already in `fds`, by (device, inode, access mode): a file referenced many times in one
+  // message (tensors carved from one shared segment) travels as one descriptor. The access mode
+  // keeps the two ends of a pipe, which share an inode, apart.
+  std::vector<std::pair<std::tuple<uint64_t, uint64_t, int>, int32_t>> seen;
 };
+/// Index of `fd`'s open file in the message being encoded, adding a duplicate if it is new.
+int32_t AddDescriptor(CodecContext& ctx, int fd);
 CodecContext*& CurrentCodecContext();
 
 class ScopedCodecContext {
@@ -160,11 +167,7 @@ template <class Archive>
 void FileDescriptor::save(Archive& ar) const {
   internal::CodecContext* ctx = internal::CurrentCodecContext();
   if (ctx == nullptr) internal::ThrowOutsideCodec();
-  int32_t index = -1;
-  if (fd_ >= 0) {
-    ctx->fds->push_back(Dup(fd_));
-    index = static_cast<int32_t>(ctx->fds->size() - 1);
-  }
+  const int32_t index = fd_ >= 0 ? internal::AddDescriptor(*ctx, fd_) : -1;
   ar(index);
 }
 
@@ -179,9 +182,10 @@ void FileDescriptor::load(Archive& ar) {
     return;
   }
   if (index < 0 || static_cast<size_t>(index) >= ctx->fds->size() || !(*ctx->fds)[index]) {
-    internal::ThrowMalformed("file descriptor index out of range or used twice");
+    internal::ThrowMalformed("file descriptor index out of range");
   }
-  reset((*ctx->fds)[index].release());
+  // Several values may refer to one descriptor of the message: each gets its own duplicate.
+  reset(Dup((*ctx->fds)[index].get()).release());
 }
 
 }  // namespace forksafe::mp

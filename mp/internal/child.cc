@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "mp/internal/shm_manager.h"
 #include "runtime/at_fork.h"
 #include "runtime/error.h"
 
@@ -347,6 +348,9 @@ void InitMain(int argc, char** argv) {
   if (argc >= 2 && std::strcmp(argv[1], internal::kChildFlag) == 0) internal::RunSpawnedChild();
   if (argc >= 2 && std::strcmp(argv[1], internal::kServerFlag) == 0) {
     internal::ServeForever(internal::kBootstrapFd);
+  }
+  if (argc >= 2 && std::strcmp(argv[1], internal::kShmManagerFlag) == 0) {
+    internal::RunShmManager(internal::kBootstrapFd);
   }
 }
 

@@ -1,0 +1,414 @@
+#include "mp/internal/shared_arena.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <set>
+#include <mutex>
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "mp/internal/shm_manager.h"
+#include "runtime/at_fork.h"
+#include "runtime/error.h"
+
+namespace forksafe::mp::internal {
+namespace {
+
+using runtime::Error;
+using runtime::ErrorCode;
+
+constexpr uint64_t kSegmentMagic = 0x66736172656e6131ull;  // "fsarena1"
+constexpr uint32_t kBlockMagic = 0x424c4b31;                // "BLK1"
+constexpr size_t kHeaderBytes = 4096;                       // segment header page
+constexpr size_t kBlockHeader = 64;
+constexpr size_t kAlign = 64;
+constexpr size_t kMinSegment = size_t{4} << 20;
+constexpr size_t kMaxSegment = size_t{64} << 20;
+constexpr size_t kDedicatedAbove = size_t{16} << 20;  // bigger blocks get a segment of their own
+
+struct SegmentHeader {
+  uint64_t magic;
+  uint64_t size;
+  uint64_t id;
+  int32_t creator;
+  std::atomic<int32_t> live_refs;  // sum of the blocks' counts (for the shm manager)
+};
+
+struct BlockHeader {
+  uint32_t magic;
+  std::atomic<int32_t> refs;
+  uint64_t size;  // usable bytes after the header
+};
+
+size_t RoundUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Size classes: powers of two from 64 B, then 1 MiB steps... keep it simple: powers of two.
+size_t SizeClass(size_t n) {
+  size_t c = kAlign;
+  while (c < n) c <<= 1;
+  return c;
+}
+
+[[noreturn]] void ThrowNoSpace(int err, size_t bytes, SegmentKind kind) {
+  if (err == EMFILE || err == ENFILE) {
+    throw Error(ErrorCode::kResourceExhausted,
+                "out of file descriptors while creating shared memory; raise the limit "
+                "(ulimit -n) or close unused connections");
+  }
+  if (kind == SegmentKind::kNamed) {
+    struct statvfs;  // (declared for readability of the message below)
+    throw Error(ErrorCode::kResourceExhausted,
+                absl::StrCat("/dev/shm has no room for ", bytes,
+                             " more bytes of shared memory; free shared tensors, enlarge /dev/shm "
+                             "(mount -o remount,size=...), or use the file_descriptor sharing "
+                             "strategy"));
+  }
+  throw Error(ErrorCode::kResourceExhausted,
+              absl::StrCat("out of memory reserving ", bytes,
+                           " bytes of shared memory; free shared tensors or lower batch sizes"));
+}
+
+uint64_t RandomId() {
+  static std::mt19937_64 rng{std::random_device{}()};
+  return rng();
+}
+
+}  // namespace
+
+// A mapped segment. Created by this process (owned) or imported.
+class Segment {
+ public:
+  SegmentKind kind;
+  FileDescriptor fd;  // kept so the segment can be exported again
+  std::string name;   // kNamed
+  char* base = nullptr;
+  size_t size = 0;
+  uint64_t id = 0;
+  bool owned = false;
+  // Allocation state (owned segments only), guarded by the arena's mutex.
+  size_t bump = kHeaderBytes;
+  int live_blocks = 0;
+
+  ~Segment() {
+    // A named segment is unlinked by its creator only when no reference to any of its blocks is
+    // left anywhere (none in flight either); otherwise the shm manager unlinks it later.
+    if (owned && kind == SegmentKind::kNamed && !name.empty() && base != nullptr &&
+        header()->live_refs.load() == 0) {
+      shm_unlink(name.c_str());
+    }
+    if (base != nullptr) munmap(base, size);
+  }
+  SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base); }
+  BlockHeader* block(uint64_t offset) const {
+    return reinterpret_cast<BlockHeader*>(base + offset - kBlockHeader);
+  }
+};
+
+struct SharedArena::Impl {
+  std::mutex mu;
+  std::vector<std::shared_ptr<Segment>> owned;            // this process's segments
+  std::map<size_t, std::vector<std::pair<std::weak_ptr<Segment>, uint64_t>>> free_bins;
+  std::deque<std::pair<std::weak_ptr<Segment>, uint64_t>> pending;  // freed here, held elsewhere
+  std::set<std::pair<const Segment*, uint64_t>> pending_set;          // what `pending` holds
+  std::map<std::string, std::weak_ptr<Segment>> imported;  // by segment key
+  size_t next_segment = kMinSegment;
+  ArenaStats stats;
+};
+
+namespace {
+
+std::string SegmentKey(SegmentKind kind, uint64_t id) {
+  return absl::StrCat(static_cast<int>(kind), ":", id);
+}
+
+std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind) {
+  auto seg = std::make_shared<Segment>();
+  seg->kind = kind;
+  seg->size = size;
+  seg->owned = true;
+  int fd;
+  if (kind == SegmentKind::kMemfd) {
+    fd = memfd_create("forksafe:tensor-arena", MFD_CLOEXEC);
+  } else {
+    seg->name = absl::StrCat(SharedArena::NamePrefix(), absl::Hex(RandomId(), absl::kZeroPad16),
+                             absl::Hex(RandomId(), absl::kZeroPad16));
+    fd = shm_open(seg->name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  }
+  if (fd < 0) ThrowNoSpace(errno, size, kind);
+  seg->fd.reset(fd);
+  if (kind == SegmentKind::kNamed) ShmManagerTrack(seg->name);
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) ThrowNoSpace(errno, size, kind);
+  // Reserve the memory now: a full tmpfs is an error here, not a SIGBUS at first touch.
+  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(size));
+  if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) ThrowNoSpace(rc, size, kind);
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) ThrowNoSpace(errno, size, kind);
+  seg->base = static_cast<char*>(p);
+  struct stat st;
+  fstat(fd, &st);
+  seg->id = kind == SegmentKind::kMemfd ? static_cast<uint64_t>(st.st_ino) : RandomId();
+  SegmentHeader* h = seg->header();
+  h->magic = kSegmentMagic;
+  h->size = size;
+  h->id = seg->id;
+  h->creator = getpid();
+  h->live_refs.store(0);
+  return seg;
+}
+
+}  // namespace
+
+SharedArena& SharedArena::Get() {
+  static auto* arena = new SharedArena();  // leaked: blocks may outlive static destruction
+  return *arena;
+}
+
+SharedArena::SharedArena() : impl_(new Impl()) {
+  // A forked child inherits the mappings (MAP_SHARED, so they stay shared) but not the right to
+  // hand out blocks from the parent's segments: it starts an allocator of its own. Imported
+  // segments stay valid and cached.
+  static int tag;
+  runtime::AtForkHandler h;
+  h.name = "mp_shared_arena";
+  h.prepare = [this](const runtime::PrepareAttempt&) {
+    impl_->mu.lock();
+    return true;
+  };
+  h.parent = [this](bool) { impl_->mu.unlock(); };
+  h.child = [this](bool) {
+    // Keep the parent's segments mapped (tensors inherited by the child point into them) but
+    // stop allocating from them: move them to the imported set.
+    for (auto& seg : impl_->owned) {
+      seg->owned = false;  // never unlink the parent's names from the child
+      impl_->imported[SegmentKey(seg->kind, seg->id)] = seg;
+    }
+    // The shared_ptrs of owned segments are intentionally kept alive by leaking the vector: the
+    // inherited SharedBlocks hold their own references anyway.
+    new (&impl_->owned) std::vector<std::shared_ptr<Segment>>();
+    impl_->free_bins.clear();
+    impl_->pending.clear();
+    impl_->mu.unlock();
+  };
+  runtime::AtForkRegistry::Get().Register(&tag, std::move(h));
+}
+
+std::string SharedArena::NamePrefix() { return absl::StrCat("/forksafe_", getpid(), "_"); }
+
+std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kind, bool cached) {
+  const size_t cls = SizeClass(std::max<size_t>(bytes, 1));
+  Impl& a = *impl_;
+  std::lock_guard<std::mutex> lk(a.mu);
+  auto make = [&](const std::shared_ptr<Segment>& seg, uint64_t off) {
+    BlockHeader* b = seg->block(off);
+    b->refs.store(1);
+    seg->header()->live_refs.fetch_add(1);
+    ++seg->live_blocks;
+    ++a.stats.blocks_allocated;
+    return std::shared_ptr<SharedBlock>(new SharedBlock(seg, off, seg->base + off, bytes, true));
+  };
+  if (cached && cls <= kDedicatedAbove) {
+    // 1. A freed block of the same class.
+    auto& bin = a.free_bins[cls];
+    while (!bin.empty()) {
+      auto [w, off] = bin.back();
+      bin.pop_back();
+      if (auto seg = w.lock(); seg && seg->kind == kind) {
+        ++a.stats.blocks_reused;
+        return make(seg, off);
+      }
+    }
+    // 2. Blocks freed here while other processes still held them: look at a few of them (a
+    //    bounded amount of work per allocation), reclaim the ones now free everywhere.
+    for (int looked = 0; looked < 32 && !a.pending.empty(); ++looked) {
+      auto [w, off] = a.pending.front();
+      a.pending.pop_front();
+      auto seg = w.lock();
+      if (!seg || a.pending_set.count({seg.get(), off}) == 0) continue;  // stale entry
+      BlockHeader* b = seg->block(off);
+      if (b->refs.load() != 0) {
+        a.pending.push_back({seg, off});
+        continue;
+      }
+      a.pending_set.erase({seg.get(), off});
+      if (SizeClass(b->size) == cls && seg->kind == kind) {
+        ++a.stats.blocks_reused;
+        return make(seg, off);
+      }
+      a.free_bins[SizeClass(b->size)].push_back({seg, off});
+    }
+    // 3. Fresh memory from the newest segment of this kind with room.
+    const size_t need = kBlockHeader + cls;
+    for (auto it = a.owned.rbegin(); it != a.owned.rend(); ++it) {
+      Segment& s = **it;
+      if (s.kind != kind || s.size - s.bump < need) continue;
+      const uint64_t off = s.bump + kBlockHeader;
+      s.bump += need;
+      BlockHeader* b = s.block(off);
+      b->magic = kBlockMagic;
+      b->size = cls;
+      return make(*it, off);
+    }
+    // 4. A new segment, twice the size of the last (up to a cap).
+    size_t seg_size = std::max(a.next_segment, RoundUp(kHeaderBytes + need, 4096));
+    a.next_segment = std::min(a.next_segment * 2, kMaxSegment);
+    auto seg = CreateSegment(seg_size, kind);
+    ++a.stats.segments_created;
+    a.stats.bytes_reserved += seg_size;
+    a.owned.push_back(seg);
+    const uint64_t off = seg->bump + kBlockHeader;
+    seg->bump += need;
+    BlockHeader* b = seg->block(off);
+    b->magic = kBlockMagic;
+    b->size = cls;
+    return make(seg, off);
+  }
+  // A dedicated segment (large block, or caching disabled).
+  const size_t seg_size = RoundUp(kHeaderBytes + kBlockHeader + std::max<size_t>(bytes, 1), 4096);
+  auto seg = CreateSegment(seg_size, kind);
+  ++a.stats.segments_created;
+  a.stats.bytes_reserved += seg_size;
+  const uint64_t off = kHeaderBytes + kBlockHeader;
+  seg->bump = seg_size;
+  BlockHeader* b = seg->block(off);
+  b->magic = kBlockMagic;
+  b->size = seg_size - off;
+  // Not kept in `owned`: the segment goes away with its last block.
+  return make(seg, off);
+}
+
+std::shared_ptr<SharedBlock> SharedArena::Import(SharedBlock::Handle h) {
+  auto malformed = [](const char* why) {
+    return Error(ErrorCode::kInvalidArgument, absl::StrCat("malformed tensor handle: ", why));
+  };
+  Impl& a = *impl_;
+  std::lock_guard<std::mutex> lk(a.mu);
+  const std::string key = SegmentKey(h.kind, h.segment_id);
+  std::shared_ptr<Segment> seg;
+  if (auto it = a.imported.find(key); it != a.imported.end()) seg = it->second.lock();
+  if (!seg) {
+    for (auto& s : a.owned) {  // our own segment coming back (put and get in one process)
+      if (s->kind == h.kind && s->id == h.segment_id) seg = s;
+    }
+  }
+  if (!seg) {
+    seg = std::make_shared<Segment>();
+    seg->kind = h.kind;
+    int fd = -1;
+    if (h.kind == SegmentKind::kMemfd) {
+      if (!h.fd) throw malformed("no descriptor");
+      fd = h.fd.release();
+    } else {
+      if (h.name.rfind("/forksafe_", 0) != 0 || h.name.find('/', 1) != std::string::npos) {
+        throw malformed("bad segment name");
+      }
+      fd = shm_open(h.name.c_str(), O_RDWR | O_CLOEXEC, 0600);
+      if (fd < 0) {
+        throw Error(ErrorCode::kNotFound,
+                    absl::StrCat("shared segment ", h.name,
+                                 " no longer exists: every process that held it let go before "
+                                 "this one opened it"));
+      }
+      seg->name = h.name;
+    }
+    seg->fd.reset(fd);
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kHeaderBytes)) {
+      throw malformed("segment too small");
+    }
+    seg->size = static_cast<size_t>(st.st_size);
+    void* p = mmap(nullptr, seg->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) ThrowNoSpace(errno, seg->size, h.kind);
+    seg->base = static_cast<char*>(p);
+    if (seg->header()->magic != kSegmentMagic || seg->header()->id != h.segment_id) {
+      throw malformed("not a forksafe segment");
+    }
+    seg->id = h.segment_id;
+    a.imported[key] = seg;
+    ++a.stats.segments_mapped;
+  }
+  if (h.offset < kHeaderBytes + kBlockHeader || h.offset > seg->size ||
+      h.size > seg->size - h.offset) {
+    throw malformed("block outside its segment");
+  }
+  BlockHeader* b = seg->block(h.offset);
+  if (b->magic != kBlockMagic || h.size > b->size) throw malformed("not a block");
+  // Adopt the in-flight reference the exporter took for us.
+  return std::shared_ptr<SharedBlock>(
+      new SharedBlock(seg, h.offset, seg->base + h.offset, static_cast<size_t>(h.size), false));
+}
+
+void SharedArena::EmptyCache() {
+  Impl& a = *impl_;
+  std::lock_guard<std::mutex> lk(a.mu);
+  for (auto it = a.owned.begin(); it != a.owned.end();) {
+    if ((*it)->live_blocks == 0 && (*it)->header()->live_refs.load() == 0) {
+      it = a.owned.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+ArenaStats SharedArena::stats() const {
+  std::lock_guard<std::mutex> lk(impl_->mu);
+  ArenaStats s = impl_->stats;
+  s.live_segments = impl_->owned.size();
+  for (auto& [k, w] : impl_->imported) s.live_segments += !w.expired();
+  return s;
+}
+
+SharedBlock::SharedBlock(std::shared_ptr<Segment> seg, uint64_t offset, void* data, size_t size,
+                         bool allocated_here)
+    : seg_(std::move(seg)), allocated_here_(allocated_here), offset_(offset), data_(data),
+      size_(size) {}
+
+SharedBlock::~SharedBlock() {
+  BlockHeader* b = seg_->block(offset_);
+  seg_->header()->live_refs.fetch_sub(1);
+  const int32_t left = b->refs.fetch_sub(1) - 1;
+  if (!seg_->owned) return;  // only the creator's allocator reuses blocks
+  SharedArena::Impl& a = *SharedArena::Get().impl_;
+  std::lock_guard<std::mutex> lk(a.mu);
+  if (allocated_here_) --seg_->live_blocks;
+  const bool dedicated = seg_->bump >= seg_->size;
+  if (dedicated) return;  // a segment of its own: it dies with its last reference here
+  const std::pair<const Segment*, uint64_t> id{seg_.get(), offset_};
+  if (left == 0) {
+    // Free everywhere, and this process saw it happen: reusable now (and no longer pending).
+    a.pending_set.erase(id);
+    a.free_bins[SizeClass(b->size)].push_back({seg_, offset_});
+  } else if (a.pending_set.insert(id).second) {
+    a.pending.push_back({seg_, offset_});  // others still hold it: check again later
+  }
+}
+
+std::string SharedBlock::key() const { return absl::StrCat(seg_->id, "@", offset_); }
+
+int32_t SharedBlock::shared_count() const { return seg_->block(offset_)->refs.load(); }
+
+SharedBlock::Handle SharedBlock::Export() const {
+  Handle h;
+  h.kind = seg_->kind;
+  if (h.kind == SegmentKind::kMemfd) {
+    h.fd = FileDescriptor::Dup(seg_->fd.get());
+  } else {
+    h.name = seg_->name;
+  }
+  h.segment_id = seg_->id;
+  h.offset = offset_;
+  h.size = size_;
+  seg_->block(offset_)->refs.fetch_add(1);  // the in-flight reference
+  seg_->header()->live_refs.fetch_add(1);
+  return h;
+}
+
+}  // namespace forksafe::mp::internal

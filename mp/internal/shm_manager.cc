@@ -1,0 +1,204 @@
+#include "mp/internal/shm_manager.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "mp/connection.h"
+#include "runtime/at_fork.h"
+
+namespace forksafe::mp::internal {
+
+pid_t SpawnExecutable(const char* flag, int fd_for_child);  // mp/process.cc
+
+namespace {
+
+struct Client {
+  std::mutex mu;
+  pid_t pid = 0;
+  Connection conn;
+};
+
+Client& TheClient() {
+  static auto* c = new Client();
+  return *c;
+}
+
+// A forked child must not hold its parent's manager connection (the manager would not see the
+// parent's end-of-file while the child lives): close it; the child starts its own manager.
+const bool g_handler = [] {
+  static int tag;
+  runtime::AtForkHandler h;
+  h.name = "mp_shm_manager";
+  h.prepare = [](const runtime::PrepareAttempt&) {
+    TheClient().mu.lock();
+    return true;
+  };
+  h.parent = [](bool) { TheClient().mu.unlock(); };
+  h.child = [](bool) {
+    Client& c = TheClient();
+    c.conn.close();
+    c.conn = Connection();
+    c.pid = 0;
+    c.mu.unlock();
+  };
+  runtime::AtForkRegistry::Get().Register(&tag, std::move(h));
+  return true;
+}();
+
+// Creator pid encoded in "forksafe_<pid>_<hex>" (a /dev/shm entry name), or 0.
+pid_t CreatorOf(const std::string& entry) {
+  if (entry.rfind("forksafe_", 0) != 0) return 0;
+  const size_t us = entry.find('_', 9);
+  if (us == std::string::npos) return 0;
+  return static_cast<pid_t>(std::atoi(entry.substr(9, us - 9).c_str()));
+}
+
+bool Alive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
+
+// Names ("forksafe_...") of /dev/shm entries that some process maps right now.
+std::set<std::string> MappedNames() {
+  std::set<std::string> out;
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return out;
+  while (dirent* e = readdir(proc)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    std::ifstream maps(absl::StrCat("/proc/", e->d_name, "/maps"));
+    std::string line;
+    while (std::getline(maps, line)) {
+      const size_t at = line.find("/dev/shm/forksafe_");
+      if (at == std::string::npos) continue;
+      std::string name = line.substr(at + 9);
+      const size_t sp = name.find(' ');
+      if (sp != std::string::npos) name.resize(sp);
+      out.insert(name);
+    }
+  }
+  closedir(proc);
+  return out;
+}
+
+// The segment's count of live references (see shared_arena.cc's SegmentHeader), or -1.
+int32_t LiveRefs(const std::string& entry) {
+  const int fd = shm_open(("/" + entry).c_str(), O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  void* p = mmap(nullptr, 4096, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) return -1;
+  struct Header {
+    uint64_t magic, size, id;
+    int32_t creator;
+    int32_t live_refs;
+  };
+  const int32_t refs = __atomic_load_n(&static_cast<const Header*>(p)->live_refs, __ATOMIC_ACQUIRE);
+  munmap(p, 4096);
+  return refs;
+}
+
+bool Exists(const std::string& entry) {
+  struct stat st;
+  return stat(("/dev/shm/" + entry).c_str(), &st) == 0;
+}
+
+}  // namespace
+
+int SweepOrphanedSegments() {
+  std::set<std::string> candidates;
+  DIR* d = opendir("/dev/shm");
+  if (d == nullptr) return 0;
+  while (dirent* e = readdir(d)) {
+    const std::string n = e->d_name;
+    const pid_t creator = CreatorOf(n);
+    if (creator > 0 && !Alive(creator)) candidates.insert(n);
+  }
+  closedir(d);
+  if (candidates.empty()) return 0;
+  const std::set<std::string> mapped = MappedNames();
+  int removed = 0;
+  for (const std::string& n : candidates) {
+    if (mapped.count(n) == 0 && shm_unlink(("/" + n).c_str()) == 0) ++removed;
+  }
+  return removed;
+}
+
+void ShmManagerTrack(const std::string& name) {
+  Client& c = TheClient();
+  std::lock_guard<std::mutex> lk(c.mu);
+  try {
+    if (c.pid == 0) {
+      auto [ours, theirs] = Pipe(true);
+      c.pid = SpawnExecutable(kShmManagerFlag, theirs.fileno());
+      theirs.close();
+      c.conn = ours;
+    }
+    c.conn.send(std::string("track"), name.substr(1));  // without the leading '/'
+  } catch (const std::exception& e) {
+    fprintf(stderr, "forksafe: the shm manager is unavailable (%s); named segments are removed "
+                    "only when freed\n", e.what());
+  }
+}
+
+pid_t ShmManagerPid() {
+  std::lock_guard<std::mutex> lk(TheClient().mu);
+  return TheClient().pid;
+}
+
+void RunShmManager(int fd) {
+  signal(SIGINT, SIG_IGN);  // a Ctrl-C for the program must not stop the cleanup
+  setsid();                 // nor a signal to its process group
+  SweepOrphanedSegments();
+  Connection client(FileDescriptor(fd), true, true);
+  std::set<std::string> names;
+  for (;;) {  // while the client lives: collect its names
+    std::string kind, name;
+    try {
+      Message m = client.RecvMessage(std::nullopt);
+      Decode(m, kind, name);
+    } catch (...) {
+      break;  // end-of-file: the client exited or was killed
+    }
+    if (kind == "track" && name.rfind("forksafe_", 0) == 0 && name.find('/') == std::string::npos) {
+      names.insert(name);
+    }
+  }
+  // The client is gone: remove each of its segments once nobody references or maps it.
+  auto last_scan = std::chrono::steady_clock::now() - std::chrono::seconds(10);
+  while (!names.empty()) {
+    std::set<std::string> mapped;
+    const auto now = std::chrono::steady_clock::now();
+    const bool scan = now - last_scan >= std::chrono::seconds(1);
+    if (scan) {
+      mapped = MappedNames();
+      last_scan = now;
+    }
+    for (auto it = names.begin(); it != names.end();) {
+      const bool gone = !Exists(*it);
+      const bool unused = LiveRefs(*it) == 0 || (scan && mapped.count(*it) == 0);
+      if (gone || unused) {
+        shm_unlink(("/" + *it).c_str());
+        it = names.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  _exit(0);
+}
+
+}  // namespace forksafe::mp::internal

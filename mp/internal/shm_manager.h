@@ -1,0 +1,37 @@
+// mp/internal/shm_manager.h: NOT FOR USERS. The manager daemon of the file_system strategy.
+//
+// A process that creates named shared segments ("/forksafe_<pid>_<random>") starts, on first use,
+// a manager: this same executable, spawned with --forksafe-shm-manager (InitMain runs it), talking
+// over an inherited socketpair that no other process can reach. The creator tells it each name it
+// creates. When the creator exits or is killed (the socket reaches end-of-file), the manager
+// removes every segment of it that no process references any more (the segment's shared count is
+// zero) or that no process maps any more (scanning /proc/*/maps), then exits. On start, a manager
+// also sweeps segments whose creator is dead and that nobody maps: what a killed manager (or a
+// crash before the manager started) left behind in an earlier run.
+#ifndef FORKSAFE_MP_INTERNAL_SHM_MANAGER_H_
+#define FORKSAFE_MP_INTERNAL_SHM_MANAGER_H_
+
+#include <sys/types.h>
+
+#include <string>
+
+namespace forksafe::mp::internal {
+
+inline constexpr const char* kShmManagerFlag = "--forksafe-shm-manager";
+
+/// Tells this process's manager (started on first use) about a new named segment.
+/// Never throws: without a manager, the creator still unlinks its segments when it frees them.
+void ShmManagerTrack(const std::string& name);
+
+/// The manager's pid (0 when none was started by this process).
+pid_t ShmManagerPid();
+
+/// Removes segments of dead creators that no process maps. Returns how many were removed.
+int SweepOrphanedSegments();
+
+/// The manager's main loop on descriptor `fd` (never returns).
+[[noreturn]] void RunShmManager(int fd);
+
+}  // namespace forksafe::mp::internal
+
+#endif  // FORKSAFE_MP_INTERNAL_SHM_MANAGER_H_
