@@ -8,6 +8,14 @@
 // - BM_QueueRoundTrip: the same through two mp::Queues (shared ring, robust lock, futex wake-ups).
 // - BM_ProcessStartJoin/<method>: Process start + join of a function that returns at once.
 // - BM_Spawn2/<method>: spawn(nprocs=2) of a trivial entry point, end to end.
+// - BM_SharedTensorRoundTrip/<bytes>: an already-shared CPU tensor there and back through two
+//   Queues (a handle crosses, never the data): 4 KiB, 1 MiB, 64 MiB.
+// - BM_FreshTensorSend/<bytes>/<cache>: a fresh (not yet shared) tensor filled and put on a Queue
+//   each iteration, the child acknowledging; with the caching arena (1) and without it (0), where
+//   every tensor gets a new segment, mapping and page faults.
+// - BM_PoolMapTensors/<count>/<bytes>: Pool(2).map of a reduction (sum) over already-shared CPU
+//   tensors: 2,000 of 4 KiB and 500 of 1 MiB. The counter `overhead_us` is the per-task time
+//   beyond the reduction itself: (map time - serial reduction time / 2 workers) / tasks.
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -20,6 +28,8 @@
 #include "mp/connection.h"
 #include "mp/process.h"
 #include "mp/queue.h"
+#include "mp/pool.h"
+#include "mp/sharing.h"
 #include "mp/spawn.h"
 
 namespace {
@@ -114,6 +124,112 @@ void BM_QueueRoundTrip(benchmark::State& state) {
 }
 BENCHMARK(BM_QueueRoundTrip)->UseRealTime()->MinTime(0.5)->Repetitions(3);
 
+void TensorEcho(Queue in, Queue out) {
+  for (;;) {
+    forksafe::device::Tensor t = in.get<forksafe::device::Tensor>();
+    if (t.numel() == 0) return;
+    out.put(t);
+  }
+}
+FORKSAFE_ENTRY_POINT(TensorEcho);
+
+void TensorAck(Queue in, Queue out) {
+  for (;;) {
+    forksafe::device::Tensor t = in.get<forksafe::device::Tensor>();
+    if (t.numel() == 0) return;
+    out.put(static_cast<int>(t.numel()));
+  }
+}
+FORKSAFE_ENTRY_POINT(TensorAck);
+
+void BM_SharedTensorRoundTrip(benchmark::State& state) {
+  const int64_t n = state.range(0) / 4;
+  Queue to, from;
+  Process p(ProcessOptions{"", false, "fork"}, &TensorEcho, to, from);
+  p.start();
+  auto t = forksafe::mp::SharedEmpty({n});
+  for (auto _ : state) {
+    to.put(t);
+    benchmark::DoNotOptimize(from.get<forksafe::device::Tensor>());
+  }
+  to.put(forksafe::device::Tensor::Empty({0}, forksafe::device::DType::kFloat32,
+                                         forksafe::device::kCPU));
+  p.join(10.0);
+  state.SetLabel(std::to_string(state.range(0) / 1024) + " KiB");
+}
+BENCHMARK(BM_SharedTensorRoundTrip)
+    ->Arg(4 << 10)->Arg(1 << 20)->Arg(64 << 20)
+    ->UseRealTime()->MinTime(0.5)->Repetitions(3);
+
+void BM_FreshTensorSend(benchmark::State& state) {
+  const int64_t n = state.range(0) / 4;
+  forksafe::mp::set_sharing_cache_enabled(state.range(1) != 0);
+  Queue to, from;
+  Process p(ProcessOptions{"", false, "fork"}, &TensorAck, to, from);
+  p.start();
+  for (auto _ : state) {
+    auto t = forksafe::device::Tensor::Empty({n}, forksafe::device::DType::kFloat32,
+                                             forksafe::device::kCPU);
+    to.put(t);  // moves it to shared memory, sends the handle
+    benchmark::DoNotOptimize(from.get<int>());
+  }
+  to.put(forksafe::device::Tensor::Empty({0}, forksafe::device::DType::kFloat32,
+                                         forksafe::device::kCPU));
+  p.join(10.0);
+  forksafe::mp::set_sharing_cache_enabled(true);
+  state.SetLabel(std::to_string(state.range(0) / 1024) + " KiB " +
+                 (state.range(1) ? "arena" : "no-arena"));
+}
+BENCHMARK(BM_FreshTensorSend)
+    ->Args({4 << 10, 1})->Args({4 << 10, 0})->Args({1 << 20, 1})->Args({1 << 20, 0})
+    ->UseRealTime()->MinTime(0.5)->Repetitions(3);
+
+double TensorSum(forksafe::device::Tensor t) {
+  const float* p = static_cast<const float*>(t.data_ptr());
+  double s = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) s += p[i];
+  return s;
+}
+FORKSAFE_ENTRY_POINT(TensorSum);
+
+void BM_PoolMapTensors(benchmark::State& state) {
+  const int count = static_cast<int>(state.range(0));
+  const int64_t n = state.range(1) / 4;
+  std::vector<forksafe::device::Tensor> inputs;
+  for (int i = 0; i < count; ++i) {
+    inputs.push_back(forksafe::mp::SharedEmpty({n}));
+    std::fill_n(static_cast<float*>(inputs.back().data_ptr()), n, 1.f);
+  }
+  // The reduction alone, serially, for the overhead estimate.
+  const auto t0 = std::chrono::steady_clock::now();
+  double check = 0;
+  for (const auto& t : inputs) check += TensorSum(t);
+  const double serial_us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  PoolOptions o;
+  o.processes = 2;
+  o.start_method = "fork";
+  Pool pool(o);
+  pool.map(&TensorSum, std::vector<forksafe::device::Tensor>(inputs.begin(), inputs.begin() + 2));
+  double total_us = 0;
+  for (auto _ : state) {
+    const auto a = std::chrono::steady_clock::now();
+    std::vector<double> sums = pool.map(&TensorSum, inputs);
+    total_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count();
+    if (sums.size() != inputs.size() || sums[0] != static_cast<double>(n)) {
+      state.SkipWithError("wrong result");
+    }
+  }
+  benchmark::DoNotOptimize(check);
+  const double per_map = total_us / static_cast<double>(state.iterations());
+  state.counters["per_task_us"] = per_map / count;
+  state.counters["overhead_us"] = (per_map - serial_us / 2) / count;
+  state.SetLabel(std::to_string(count) + " x " + std::to_string(state.range(1) / 1024) + " KiB");
+}
+BENCHMARK(BM_PoolMapTensors)
+    ->Args({2000, 4 << 10})->Args({500, 1 << 20})
+    ->UseRealTime()->MinTime(1.0)->Repetitions(3);
+
 const char* kMethods[] = {"fork", "spawn", "forkserver"};
 
 void BM_ProcessStartJoin(benchmark::State& state) {
@@ -146,11 +262,13 @@ class MedianReporter : public benchmark::ConsoleReporter {
         std::string key = r.run_name.function_name;
         if (!r.run_name.args.empty()) key += "/" + r.report_label;
         us_[key] = r.GetAdjustedRealTime() / 1e3;
+        for (const auto& [name, c] : r.counters) counters_[key + " " + name] = c.value;
       }
     }
     ConsoleReporter::ReportRuns(runs);
   }
   std::map<std::string, double> us_;
+  std::map<std::string, double> counters_;
 };
 
 }  // namespace
@@ -167,6 +285,15 @@ int main(int argc, char** argv) {
     printf("ratio queue round trip / bare ping-pong = %.2f (target <= 2)\n",
            r.us_["BM_QueueRoundTrip"] / bare);
     printf("ratio pipe round trip / bare ping-pong  = %.2f\n", r.us_["BM_PipeRoundTrip"] / bare);
+    for (const char* k : {"BM_PoolMapTensors/2000 x 4 KiB", "BM_PoolMapTensors/500 x 1024 KiB"}) {
+      const double over = r.counters_[std::string(k) + " overhead_us"];
+      printf("%s: per-task %.1f us, overhead %.1f us = %.2f x bare ping-pong (target <= 3)\n", k,
+             r.counters_[std::string(k) + " per_task_us"], over, over / bare);
+    }
+    for (const char* k : {"BM_SharedTensorRoundTrip/4 KiB", "BM_SharedTensorRoundTrip/1024 KiB",
+                          "BM_SharedTensorRoundTrip/65536 KiB"}) {
+      printf("ratio %s / bare ping-pong = %.2f (target <= 3)\n", k, r.us_[k] / bare);
+    }
   }
   benchmark::Shutdown();
   return 0;

@@ -98,7 +98,8 @@ CodecContext*& CurrentCodecContext();
 class ScopedCodecContext {
  public:
   explicit ScopedCodecContext(std::vector<FileDescriptor>* fds)
-      : ctx_{fds}, previous_(CurrentCodecContext()) {
+      : previous_(CurrentCodecContext()) {
+    ctx_.fds = fds;
     CurrentCodecContext() = &ctx_;
   }
   ~ScopedCodecContext() { CurrentCodecContext() = previous_; }

@@ -5,6 +5,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/at_fork.h"
 #include "runtime/error.h"
 
 namespace forksafe::mp::internal {
@@ -17,7 +18,20 @@ struct Registry {
 };
 
 Registry& Reg() {
-  static auto* r = new Registry();  // leaked: used until the process exits
+  static auto* r = [] {
+    auto* reg = new Registry();  // leaked: used until the process exits
+    // Held across fork, so that a child never inherits it locked by another thread.
+    runtime::AtForkHandler h;
+    h.name = "mp_entry_points";
+    h.prepare = [reg](const runtime::PrepareAttempt&) {
+      reg->mu.lock();
+      return true;
+    };
+    h.parent = [reg](bool) { reg->mu.unlock(); };
+    h.child = [reg](bool) { reg->mu.unlock(); };
+    runtime::AtForkRegistry::Get().Register(reg, std::move(h));
+    return reg;
+  }();
   return *r;
 }
 

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -65,7 +66,6 @@ size_t SizeClass(size_t n) {
                 "(ulimit -n) or close unused connections");
   }
   if (kind == SegmentKind::kNamed) {
-    struct statvfs;  // (declared for readability of the message below)
     throw Error(ErrorCode::kResourceExhausted,
                 absl::StrCat("/dev/shm has no room for ", bytes,
                              " more bytes of shared memory; free shared tensors, enlarge /dev/shm "
@@ -139,6 +139,13 @@ std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind) {
   if (kind == SegmentKind::kMemfd) {
     fd = memfd_create("forksafe:tensor-arena", MFD_CLOEXEC);
   } else {
+    // Check the room in /dev/shm first: reserving more than is free would fill it page by page
+    // before failing, squeezing every other user of /dev/shm meanwhile.
+    struct statvfs vfs;
+    if (statvfs("/dev/shm", &vfs) == 0 &&
+        static_cast<unsigned long long>(vfs.f_bavail) * vfs.f_frsize < size) {
+      ThrowNoSpace(ENOSPC, size, kind);
+    }
     seg->name = absl::StrCat(SharedArena::NamePrefix(), absl::Hex(RandomId(), absl::kZeroPad16),
                              absl::Hex(RandomId(), absl::kZeroPad16));
     fd = shm_open(seg->name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);

@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <functional>
@@ -266,6 +267,38 @@ TEST(SharingTest, HundredThousandTensorsUnderADescriptorLimitOf1024) {
     if (fds > 200 || OpenFds() > 200) return 4;
     return 0;
   }, 240s, 240);
+  EXPECT_TRUE(r.ok()) << r.Describe();
+}
+
+TEST(SharingTest, RunningOutIsAClearErrorNotASigbus) {
+  auto r = forksafe::testing::RunInChild([] {
+    // /dev/shm: ask for more than it has free.
+    set_sharing_strategy("file_system");
+    struct statvfs vfs;
+    if (statvfs("/dev/shm", &vfs) != 0) return 1;
+    const int64_t too_many = static_cast<int64_t>(vfs.f_bavail * vfs.f_frsize / 4) + (1 << 20);
+    try {
+      SharedEmpty({too_many});
+      return 2;
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kResourceExhausted) return 3;
+      if (std::string(e.what()).find("/dev/shm") == std::string::npos) return 4;
+    }
+    // Descriptors: none left for a new segment.
+    set_sharing_strategy("file_descriptor");
+    set_sharing_cache_enabled(false);  // every tensor needs a segment (and a descriptor) of its own
+    rlimit lim{64, 64};
+    setrlimit(RLIMIT_NOFILE, &lim);
+    std::vector<Tensor> keep;
+    try {
+      for (int i = 0; i < 100; ++i) keep.push_back(SharedEmpty({4}));
+      return 5;
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kResourceExhausted) return 6;
+      if (std::string(e.what()).find("ulimit -n") == std::string::npos) return 7;
+    }
+    return 0;
+  }, 60s, 60);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
