@@ -23,8 +23,9 @@ FileDescriptor FileDescriptor::Dup(int fd) {
 }
 
 void FileDescriptor::reset(int fd) {
-  if (fd_ >= 0) ::close(fd_);
+  if (fd_ >= 0 && owned_) ::close(fd_);
   fd_ = fd;
+  owned_ = true;
 }
 
 namespace internal {
@@ -34,20 +35,33 @@ CodecContext*& CurrentCodecContext() {
   return ctx;
 }
 
-int32_t AddDescriptor(CodecContext& ctx, int fd) {
+int32_t AddDescriptor(CodecContext& ctx, int fd, bool borrowed) {
+  if (borrowed) {
+    for (const auto& [n, i] : ctx.seen_numbers) {
+      if (n == fd) return i;
+    }
+  }
   struct stat st;
   std::tuple<uint64_t, uint64_t, int> key{0, 0, 0};
-  const int fl = fcntl(fd, F_GETFL);
-  const bool known = fstat(fd, &st) == 0 && fl >= 0;
+  // Borrowed descriptors are deduplicated by number only (no system calls on the hot path of
+  // tensors); others by the file they refer to.
+  const int fl = borrowed ? -1 : fcntl(fd, F_GETFL);
+  const bool known = !borrowed && fl >= 0 && fstat(fd, &st) == 0;
   if (known) {
     key = {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), fl & O_ACCMODE};
     for (const auto& [k, i] : ctx.seen) {
-      if (k == key) return i;
+      if (k == key) {
+        if (borrowed) ctx.seen_numbers.emplace_back(fd, i);
+        return i;
+      }
     }
   }
-  ctx.fds->push_back(FileDescriptor::Dup(fd));
+  // A borrowed descriptor is kept open by its owner until the message is sent: the message can
+  // borrow it too (no dup, no close).
+  ctx.fds->push_back(borrowed ? FileDescriptor::Borrow(fd) : FileDescriptor::Dup(fd));
   const int32_t index = static_cast<int32_t>(ctx.fds->size() - 1);
   if (known) ctx.seen.emplace_back(key, index);
+  if (borrowed) ctx.seen_numbers.emplace_back(fd, index);
   return index;
 }
 

@@ -46,9 +46,13 @@ class FileDescriptor {
   /// Takes ownership of `fd` (-1 for none).
   explicit FileDescriptor(int fd) : fd_(fd) {}
   ~FileDescriptor() { reset(); }
-  FileDescriptor(FileDescriptor&& o) noexcept : fd_(o.release()) {}
+  FileDescriptor(FileDescriptor&& o) noexcept : owned_(o.owned_), fd_(o.release()) {}
   FileDescriptor& operator=(FileDescriptor&& o) noexcept {
-    if (this != &o) reset(o.release());
+    if (this != &o) {
+      const bool owned = o.owned_;
+      reset(o.release());
+      owned_ = owned;
+    }
     return *this;
   }
   FileDescriptor(const FileDescriptor&) = delete;
@@ -56,6 +60,13 @@ class FileDescriptor {
 
   /// A new descriptor for the same open file (close-on-exec). Throws on failure.
   static FileDescriptor Dup(int fd);
+  /// Refers to `fd` without owning it: never closed by this object. For encoding a descriptor
+  /// that its owner keeps open (the codec duplicates it into the message).
+  static FileDescriptor Borrow(int fd) {
+    FileDescriptor f(fd);
+    f.owned_ = false;
+    return f;
+  }
 
   int get() const { return fd_; }
   explicit operator bool() const { return fd_ >= 0; }
@@ -69,8 +80,16 @@ class FileDescriptor {
   void save(Archive& ar) const;
   template <class Archive>
   void load(Archive& ar);
+  /// Decodes a descriptor as a borrowed view of the message's own (no dup): valid only while the
+  /// message being decoded lives. For decoders that usually discard it (tensor handles whose
+  /// segment is already mapped); Dup() it to keep it.
+  template <class Archive>
+  static FileDescriptor LoadBorrowed(Archive& ar);
+  /// True when this object closes its descriptor.
+  bool owned() const { return owned_; }
 
  private:
+  bool owned_ = true;
   int fd_ = -1;
 };
 
@@ -86,13 +105,16 @@ namespace internal {
 // FileDescriptor::save/load can reach it (set for the duration of Encode/Decode; nests).
 struct CodecContext {
   std::vector<FileDescriptor>* fds = nullptr;
-  // Files already in `fds`, by (device, inode, access mode): a file referenced many times in one
-  // message (tensors carved from one shared segment) travels as one descriptor. The access mode
-  // keeps the two ends of a pipe, which share an inode, apart.
+  // Files already in `fds`: by descriptor number for borrowed descriptors (their owner keeps them
+  // open for the whole encode, so a number cannot be reused meanwhile; no system call), else by
+  // (device, inode, access mode): a file referenced many times in one message (tensors carved
+  // from one shared segment) travels as one descriptor. The access mode keeps the two ends of a
+  // pipe, which share an inode, apart.
+  std::vector<std::pair<int, int32_t>> seen_numbers;
   std::vector<std::pair<std::tuple<uint64_t, uint64_t, int>, int32_t>> seen;
 };
 /// Index of `fd`'s open file in the message being encoded, adding a duplicate if it is new.
-int32_t AddDescriptor(CodecContext& ctx, int fd);
+int32_t AddDescriptor(CodecContext& ctx, int fd, bool borrowed);
 CodecContext*& CurrentCodecContext();
 
 class ScopedCodecContext {
@@ -168,7 +190,7 @@ template <class Archive>
 void FileDescriptor::save(Archive& ar) const {
   internal::CodecContext* ctx = internal::CurrentCodecContext();
   if (ctx == nullptr) internal::ThrowOutsideCodec();
-  const int32_t index = fd_ >= 0 ? internal::AddDescriptor(*ctx, fd_) : -1;
+  const int32_t index = fd_ >= 0 ? internal::AddDescriptor(*ctx, fd_, !owned_) : -1;
   ar(index);
 }
 
@@ -187,6 +209,19 @@ void FileDescriptor::load(Archive& ar) {
   }
   // Several values may refer to one descriptor of the message: each gets its own duplicate.
   reset(Dup((*ctx->fds)[index].get()).release());
+}
+
+template <class Archive>
+FileDescriptor FileDescriptor::LoadBorrowed(Archive& ar) {
+  internal::CodecContext* ctx = internal::CurrentCodecContext();
+  if (ctx == nullptr) internal::ThrowOutsideCodec();
+  int32_t index = -1;
+  ar(index);
+  if (index == -1) return FileDescriptor();
+  if (index < 0 || static_cast<size_t>(index) >= ctx->fds->size() || !(*ctx->fds)[index]) {
+    internal::ThrowMalformed("file descriptor index out of range");
+  }
+  return Borrow((*ctx->fds)[index].get());
 }
 
 }  // namespace forksafe::mp

@@ -114,13 +114,27 @@ std::vector<FileDescriptor> RecvFds(int sock, uint64_t seq) {
     mh.msg_iovlen = 1;
     mh.msg_control = cbuf;
     mh.msg_controllen = sizeof(cbuf);
-    pollfd p{sock, POLLIN, 0};
-    if (::poll(&p, 1, 10000) == 0) {
-      throw Error(ErrorCode::kInternal,
-                  "queue: a message's descriptors did not arrive on the side channel");
-    }
-    const ssize_t n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC | MSG_WAITALL);
+    // The batch was sent before its message was committed, so it is normally there already:
+    // try without waiting first, and wait (bounded) only if it is not.
+    ssize_t n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      pollfd p{sock, POLLIN, 0};
+      if (::poll(&p, 1, 10000) == 0) {
+        throw Error(ErrorCode::kInternal,
+                    "queue: a message's descriptors did not arrive on the side channel");
+      }
+      continue;
+    }
+    if (n > 0 && n < static_cast<ssize_t>(sizeof(got))) {
+      // The tag arrived in pieces (never seen with 8 bytes, but stream sockets allow it).
+      if (recv(sock, reinterpret_cast<char*>(&got) + n, sizeof(got) - n, MSG_WAITALL) !=
+          static_cast<ssize_t>(sizeof(got) - n)) {
+        n = -1;
+      } else {
+        n = sizeof(got);
+      }
+    }
     if (n != sizeof(got)) {
       throw Error(ErrorCode::kInternal, "queue: the descriptor channel broke");
     }

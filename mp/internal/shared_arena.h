@@ -58,10 +58,16 @@ class SharedBlock {
     uint64_t size = 0;
 
     template <class Archive>
-    void serialize(Archive& ar) {
-      uint8_t k = static_cast<uint8_t>(kind);
-      ar(k, fd, name, segment_id, offset, size);
+    void save(Archive& ar) const {
+      ar(static_cast<uint8_t>(kind), fd, name, segment_id, offset, size);
+    }
+    template <class Archive>
+    void load(Archive& ar) {
+      uint8_t k = 0;
+      ar(k);
       kind = static_cast<SegmentKind>(k);
+      fd = FileDescriptor::LoadBorrowed(ar);  // Import dups it only for a segment new here
+      ar(name, segment_id, offset, size);
     }
   };
 

@@ -1,0 +1,197 @@
+// bench/peers/harness.h: the measuring loop and the JSON-lines output shared by peers_floor and
+// peers_forksafe. The Python peers (peerlib.py) implement the same loop and the same output, so
+// that every system is timed under one rule (bench/peers/plan.txt).
+//
+// One line per (workload, param) on stdout:
+//   {"system": "...", "round": 1, "workload": "w1_roundtrip", "param": "4 KiB", "bytes": 4096,
+//    "unit": "us", "warmup": 10, "samples": [...], ...extra fields}
+// or, when the workload failed its check or threw:
+//   {"system": "...", "round": 1, "workload": "...", "param": "...", "error": "..."}
+// Progress goes to stderr.
+#ifndef FORKSAFE_BENCH_PEERS_HARNESS_H_
+#define FORKSAFE_BENCH_PEERS_HARNESS_H_
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace peers {
+
+using Clock = std::chrono::steady_clock;  // CLOCK_MONOTONIC, as Python's time.monotonic_ns()
+
+inline double Us(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+
+struct Plan {
+  int warmup = 1, min_iters = 3, max_iters = 100;
+  double max_s = 1.0, cap_s = 5.0;
+};
+
+inline std::map<std::string, Plan> LoadPlan(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot read plan " + path);
+  std::map<std::string, Plan> plans;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream ls(line);
+    std::string name;
+    Plan p;
+    if (ls >> name >> p.warmup >> p.min_iters >> p.max_iters >> p.max_s >> p.cap_s) plans[name] = p;
+  }
+  return plans;
+}
+
+// Runs one workload under `plan`. `iter(i)` performs iteration i (warm-ups first) and returns the
+// microseconds of its timed part; it throws when the iteration's result is wrong.
+inline std::vector<double> Measure(const Plan& plan, const std::function<double(int)>& iter) {
+  for (int i = 0; i < plan.warmup; ++i) iter(i);
+  std::vector<double> samples;
+  const auto start = Clock::now();
+  for (int i = 0; i < plan.max_iters; ++i) {
+    samples.push_back(iter(plan.warmup + i));
+    const double s = Us(Clock::now() - start) / 1e6;
+    if (static_cast<int>(samples.size()) >= plan.min_iters && s >= plan.max_s) break;
+    if (s >= plan.cap_s) break;
+  }
+  return samples;
+}
+
+inline std::string Quote(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          snprintf(buf, sizeof buf, "\\u%04x", c);
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+inline double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+class Emitter {
+ public:
+  Emitter(std::string system, int round) : system_(std::move(system)), round_(round) {}
+
+  // `extra` is a list of already-encoded JSON members ("\"hangs\": 0").
+  void Samples(const std::string& workload, const std::string& param, int64_t bytes,
+               const Plan& plan, const std::vector<double>& samples,
+               const std::vector<std::string>& extra = {}) const {
+    std::string line = Head(workload, param) + ", \"bytes\": " + std::to_string(bytes) +
+                       ", \"unit\": \"us\", \"warmup\": " + std::to_string(plan.warmup) +
+                       ", \"samples\": [";
+    for (size_t i = 0; i < samples.size(); ++i) {
+      char buf[32];
+      snprintf(buf, sizeof buf, "%s%.2f", i ? ", " : "", samples[i]);
+      line += buf;
+    }
+    line += "]";
+    for (const auto& e : extra) line += ", " + e;
+    line += "}";
+    printf("%s\n", line.c_str());
+    fflush(stdout);
+    fprintf(stderr, "  [%s r%d] %-14s %-12s median %11.1f us  (n=%zu)\n", system_.c_str(), round_,
+            workload.c_str(), param.c_str(), Median(samples), samples.size());
+  }
+
+  void Error(const std::string& workload, const std::string& param, const std::string& what) const {
+    printf("%s, \"error\": %s}\n", Head(workload, param).c_str(), Quote(what).c_str());
+    fflush(stdout);
+    fprintf(stderr, "  [%s r%d] %s %s FAILED: %s\n", system_.c_str(), round_, workload.c_str(),
+            param.c_str(), what.c_str());
+  }
+
+  // Runs `body`, turning an exception into an error line.
+  void Guard(const std::string& workload, const std::string& param,
+             const std::function<void()>& body) const {
+    try {
+      body();
+    } catch (const std::exception& e) {
+      Error(workload, param, e.what());
+    }
+  }
+
+ private:
+  std::string Head(const std::string& workload, const std::string& param) const {
+    return "{\"system\": " + Quote(system_) + ", \"round\": " + std::to_string(round_) +
+           ", \"workload\": " + Quote(workload) + ", \"param\": " + Quote(param);
+  }
+  std::string system_;
+  int round_;
+};
+
+inline std::string SizeName(int64_t bytes) {
+  if (bytes >= (1 << 20)) return std::to_string(bytes >> 20) + " MiB";
+  if (bytes >= (1 << 10)) return std::to_string(bytes >> 10) + " KiB";
+  return std::to_string(bytes) + " B";
+}
+
+// --round N --plan PATH --only a,b (workload name prefixes; empty: all)
+struct Args {
+  int round = 1;
+  std::string plan = "bench/peers/plan.txt";
+  std::vector<std::string> only;
+  bool Wants(const std::string& workload) const {
+    if (only.empty()) return true;
+    for (const auto& o : only) {
+      if (workload.compare(0, o.size(), o) == 0) return true;
+    }
+    return false;
+  }
+};
+
+inline Args ParseArgs(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--round") {
+      a.round = std::stoi(v);
+    } else if (k == "--plan") {
+      a.plan = v;
+    } else if (k == "--only") {
+      std::stringstream ss(v);
+      std::string item;
+      while (std::getline(ss, item, ',')) {
+        if (!item.empty()) a.only.push_back(item);
+      }
+    } else {
+      throw std::runtime_error("unknown argument " + k);
+    }
+  }
+  return a;
+}
+
+inline const Plan& PlanFor(const std::map<std::string, Plan>& plans, const std::string& name) {
+  auto it = plans.find(name);
+  if (it == plans.end()) throw std::runtime_error("plan.txt has no line for " + name);
+  return it->second;
+}
+
+inline const int64_t kSizes[] = {int64_t{4} << 10, int64_t{1} << 20, int64_t{64} << 20};
+
+}  // namespace peers
+
+#endif  // FORKSAFE_BENCH_PEERS_HARNESS_H_

@@ -1,0 +1,358 @@
+// bench/peers/peers_forksafe.cc: the side-by-side workloads (docs/peers.md) written with forksafe.
+// peers_torch.py and peers_mp.py do the same work, check the same results and print the same
+// JSON lines (bench/peers/harness.h), under the same iteration plan (bench/peers/plan.txt).
+//
+//   bazel build //bench/peers:peers_forksafe
+//   bazel-bin/bench/peers/peers_forksafe --round 1 --plan bench/peers/plan.txt [--only w1,w6]
+//
+// Normally run by bench/peers/run.sh, which alternates it with the peers.
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench/peers/harness.h"
+#include "device/tensor.h"
+#include "mp/pool.h"
+#include "mp/process.h"
+#include "mp/queue.h"
+#include "mp/sharing.h"
+#include "mp/spawn.h"
+#include "runtime/thread_pool.h"
+
+namespace {
+
+using forksafe::device::DType;
+using forksafe::device::Tensor;
+using forksafe::mp::Pool;
+using forksafe::mp::PoolOptions;
+using forksafe::mp::Process;
+using forksafe::mp::ProcessOptions;
+using forksafe::mp::Queue;
+using peers::Clock;
+using peers::Us;
+
+const ProcessOptions kFork{"", false, "fork"};
+
+float* F32(const Tensor& t) { return static_cast<float*>(t.data_ptr()); }
+
+Tensor Stop() { return Tensor::Empty({0}, DType::kFloat32, forksafe::device::kCPU); }
+
+// ---- 1. Queue round trip of an already-shared tensor ------------------------------------------
+
+// Gets a tensor, writes t[1] = t[0] + 1 into the shared data, sends the same tensor back.
+void TensorEcho(Queue in, Queue out) {
+  for (;;) {
+    Tensor t = in.get<Tensor>();
+    if (t.numel() == 0) return;
+    F32(t)[1] = F32(t)[0] + 1.f;
+    out.put(t);
+  }
+}
+
+void RoundTrip(const peers::Emitter& out, const peers::Plan& plan, int64_t bytes) {
+  const int64_t n = bytes / 4;
+  Queue to, from;
+  Process p(kFork, &TensorEcho, to, from);
+  p.start();
+  Tensor t = forksafe::mp::SharedEmpty({n});
+  std::fill_n(F32(t), n, 0.f);
+  auto samples = peers::Measure(plan, [&](int i) {
+    F32(t)[0] = static_cast<float>(i);
+    const auto t0 = Clock::now();
+    to.put(t);
+    Tensor r = from.get<Tensor>();
+    const double us = Us(Clock::now() - t0);
+    if (r.numel() != n || F32(r)[1] != static_cast<float>(i + 1)) {
+      throw std::runtime_error("round trip: the child's write is not visible");
+    }
+    return us;
+  });
+  to.put(Stop());
+  p.join(10.0);
+  out.Samples("w1_roundtrip", peers::SizeName(bytes), bytes, plan, samples);
+}
+
+// ---- 2. Queue send of fresh tensors -------------------------------------------------------------
+
+// Gets a tensor, acknowledges with t[0] + t[-1].
+void TensorAck(Queue in, Queue out) {
+  for (;;) {
+    Tensor t = in.get<Tensor>();
+    if (t.numel() == 0) return;
+    out.put(static_cast<double>(F32(t)[0]) + F32(t)[t.numel() - 1]);
+  }
+}
+
+void FreshSend(const peers::Emitter& out, const peers::Plan& plan, int64_t bytes) {
+  const int64_t n = bytes / 4;
+  Queue to, from;
+  Process p(kFork, &TensorAck, to, from);
+  p.start();
+  auto samples = peers::Measure(plan, [&](int i) {
+    // A fresh private tensor, filled (untimed): the timed part is put + the child's ack.
+    Tensor t = Tensor::Full({n}, static_cast<double>(i));
+    const auto t0 = Clock::now();
+    to.put(t);  // moves it into shared memory, sends the handle
+    const double ack = from.get<double>();
+    const double us = Us(Clock::now() - t0);
+    if (ack != 2.0 * i) throw std::runtime_error("fresh send: wrong acknowledgement");
+    return us;
+  });
+  to.put(Stop());
+  p.join(10.0);
+  out.Samples("w2_fresh", peers::SizeName(bytes), bytes, plan, samples);
+}
+
+// ---- 3. Pool(2).map of a reduction over tensors ----------------------------------------------
+
+double TensorSum(Tensor t) {
+  const float* p = F32(t);
+  const int64_t n = t.numel();
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int j = 0; j < 16; ++j) acc[j] += p[i + j];
+  }
+  double total = 0;
+  for (; i < n; ++i) total += p[i];
+  for (float a : acc) total += a;
+  return total;
+}
+FORKSAFE_ENTRY_POINT(TensorSum);
+
+void PoolMap(const peers::Emitter& out, const peers::Plan& plan, int count, int64_t bytes) {
+  const int64_t n = bytes / 4;
+  std::vector<Tensor> inputs;
+  std::vector<double> expected;
+  for (int i = 0; i < count; ++i) {
+    inputs.push_back(forksafe::mp::SharedEmpty({n}));
+    std::fill_n(F32(inputs.back()), n, static_cast<float>(i % 7));
+    expected.push_back(static_cast<double>(n) * (i % 7));
+  }
+  PoolOptions o;
+  o.processes = 2;
+  o.start_method = "fork";
+  Pool pool(o);
+  auto samples = peers::Measure(plan, [&](int) {
+    const auto t0 = Clock::now();
+    std::vector<double> sums = pool.map(&TensorSum, inputs);
+    const double us = Us(Clock::now() - t0);
+    if (sums != expected) throw std::runtime_error("pool map: wrong sums");
+    return us;
+  });
+  pool.close();
+  pool.join(10.0);
+  out.Samples("w3_poolmap", std::to_string(count) + " x " + peers::SizeName(bytes), bytes, plan,
+              samples, {"\"tasks\": " + std::to_string(count)});
+}
+
+// ---- 4. spawn(nprocs=2), and a child's failure to the parent's error ---------------------------
+
+void Trivial(int) {}
+FORKSAFE_ENTRY_POINT(Trivial);
+
+void Spawn2(const peers::Emitter& out, const peers::Plan& plan, const std::string& method) {
+  forksafe::mp::SpawnOptions o;
+  o.nprocs = 2;
+  o.start_method = method;
+  auto samples = peers::Measure(plan, [&](int) {
+    const auto t0 = Clock::now();
+    auto ctx = forksafe::mp::spawn(&Trivial, std::make_tuple(), o);
+    const double us = Us(Clock::now() - t0);
+    for (auto& p : ctx->processes()) {
+      if (p.exitcode() != 0) throw std::runtime_error("spawn: a child failed");
+    }
+    return us;
+  });
+  out.Samples(method == "spawn" ? "w4_spawn" : "w4_spawn_fork", "start=" + method, 0, plan,
+              samples);
+}
+
+int64_t MonotonicNs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+// Process 1 records the time and throws; process 0 would sleep for 30 s (it is terminated).
+void FailOne(int i, std::string path) {
+  if (i == 1) {
+    std::ofstream(path) << MonotonicNs();
+    throw std::runtime_error("boom");
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(30));
+}
+FORKSAFE_ENTRY_POINT(FailOne);
+
+void FailureLatency(const peers::Emitter& out, const peers::Plan& plan) {
+  const std::string path = "/dev/shm/peers_fail_" + std::to_string(getpid());
+  forksafe::mp::SpawnOptions o;
+  o.nprocs = 2;
+  o.start_method = "fork";
+  auto samples = peers::Measure(plan, [&](int) {
+    unlink(path.c_str());
+    try {
+      forksafe::mp::spawn(&FailOne, std::make_tuple(path), o);
+    } catch (const forksafe::mp::ProcessRaisedException& e) {
+      const int64_t caught = MonotonicNs();
+      int64_t failed = 0;
+      std::ifstream(path) >> failed;
+      if (e.error_index() != 1 || e.failure().message != "boom" || failed == 0) {
+        throw std::runtime_error("failure: wrong exception");
+      }
+      return static_cast<double>(caught - failed) / 1e3;
+    }
+    throw std::runtime_error("failure: spawn did not throw");
+  });
+  unlink(path.c_str());
+  out.Samples("w4_failure", "start=fork", 0, plan, samples);
+}
+
+// ---- 5. Pool start + first result + close -------------------------------------------------------
+
+int Square(int x) { return x * x; }
+FORKSAFE_ENTRY_POINT(Square);
+
+void PoolLifecycle(const peers::Emitter& out, const peers::Plan& plan) {
+  auto samples = peers::Measure(plan, [&](int i) {
+    const auto t0 = Clock::now();
+    PoolOptions o;
+    o.processes = 2;
+    o.start_method = "fork";
+    Pool pool(o);
+    const int r = pool.apply(&Square, i);
+    pool.close();
+    pool.join();
+    const double us = Us(Clock::now() - t0);
+    if (r != i * i) throw std::runtime_error("pool: wrong result");
+    return us;
+  });
+  out.Samples("w5_pool", "start=fork", 0, plan, samples);
+}
+
+// ---- 6. Fork while the runtime's thread pools are busy ------------------------------------------
+
+// Waits for `pid` at most `timeout_ms` (pidfd + poll); kills it on timeout. Returns
+// 0 (exited 0), 1 (failed: non-zero exit or signal) or 2 (hung: killed after the timeout).
+int WaitBounded(pid_t pid, int timeout_ms) {
+  const int pfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (pfd < 0) throw std::runtime_error("pidfd_open failed");
+  pollfd pf{pfd, POLLIN, 0};
+  const int ready = poll(&pf, 1, timeout_ms);
+  close(pfd);
+  if (ready == 0) kill(pid, SIGKILL);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (ready == 0) return 2;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
+}
+
+// The pool is the runtime's default pool (2 workers here), the analogue of torch's intra-op pool:
+// a busy thread runs parallel element-wise adds on it in a loop, as a thread calling torch.add
+// would, and the forking (main) thread has used it before.
+void BusyFork(const peers::Emitter& out, const peers::Plan& plan, bool child_uses_pool,
+              const std::string& param, const std::string& workload) {
+  using forksafe::runtime::ThreadPool;
+  ThreadPool& pool = ThreadPool::Default();
+  constexpr int64_t kN = int64_t{1} << 20;
+  std::vector<float> x(kN, 1.f), y(kN, 2.f), z(kN);
+  auto add = [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) z[k] = x[k] + y[k];
+  };
+  pool.ParallelFor(0, kN, kN / 16, add);  // the forking thread has used the pool
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> rounds{0};
+  std::thread busy([&] {
+    while (!stop) {
+      pool.ParallelFor(0, kN, kN / 16, add);
+      rounds.fetch_add(1, std::memory_order_relaxed);
+    }
+  });
+  while (rounds.load() < 20) std::this_thread::yield();
+
+  // Every trial counts towards trials/hangs/failures (warm-ups too); `status` holds the outcome
+  // of each timed one (0 ok, 1 failed, 2 hung), so that latencies are read from the good ones.
+  int trials = 0, hangs = 0, failures = 0;
+  std::string status;
+  auto samples = peers::Measure(plan, [&](int i) {
+    ++trials;
+    const auto t0 = Clock::now();
+    const pid_t pid = fork();
+    if (pid == 0) {
+      if (!child_uses_pool) _exit(0);
+      // The child uses the inherited pool: a parallel sum of 2^20 ones, and a submitted task.
+      std::atomic<int64_t> sum{0};
+      pool.ParallelFor(0, kN, kN / 16, [&](int64_t lo, int64_t hi) {
+        int64_t s = 0;
+        for (int64_t k = lo; k < hi; ++k) s += static_cast<int64_t>(x[k]);
+        sum += s;
+      });
+      const int v = pool.Submit([] { return 42; }).get();
+      _exit(sum == kN && v == 42 ? 0 : 1);
+    }
+    if (pid < 0) throw std::runtime_error("fork failed");
+    const int r = WaitBounded(pid, 2000);
+    const double us = Us(Clock::now() - t0);
+    if (r == 2) ++hangs;
+    if (r == 1) ++failures;
+    if (i >= plan.warmup) status += (status.empty() ? "" : ", ") + std::to_string(r);
+    return us;
+  });
+  stop = true;
+  busy.join();
+  out.Samples(workload, param, 0, plan, samples,
+              {"\"trials\": " + std::to_string(trials), "\"hangs\": " + std::to_string(hangs),
+               "\"failures\": " + std::to_string(failures), "\"status\": [" + status + "]"});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  forksafe::mp::InitMain(argc, argv);
+  const peers::Args args = peers::ParseArgs(argc, argv);
+  const auto plans = peers::LoadPlan(args.plan);
+  const peers::Emitter out("forksafe", args.round);
+  auto plan = [&](const char* name) { return peers::PlanFor(plans, name); };
+
+  if (args.Wants("w1")) {
+    for (int64_t b : peers::kSizes) {
+      out.Guard("w1_roundtrip", peers::SizeName(b), [&] { RoundTrip(out, plan("w1_roundtrip"), b); });
+    }
+  }
+  if (args.Wants("w2")) {
+    for (int64_t b : peers::kSizes) {
+      out.Guard("w2_fresh", peers::SizeName(b), [&] { FreshSend(out, plan("w2_fresh"), b); });
+    }
+  }
+  if (args.Wants("w3")) {
+    out.Guard("w3_poolmap", "2000 x 4 KiB", [&] { PoolMap(out, plan("w3_poolmap"), 2000, 4 << 10); });
+    out.Guard("w3_poolmap", "500 x 1 MiB", [&] { PoolMap(out, plan("w3_poolmap"), 500, 1 << 20); });
+  }
+  if (args.Wants("w4")) {
+    out.Guard("w4_spawn", "start=spawn", [&] { Spawn2(out, plan("w4_spawn"), "spawn"); });
+    out.Guard("w4_spawn_fork", "start=fork", [&] { Spawn2(out, plan("w4_spawn_fork"), "fork"); });
+    out.Guard("w4_failure", "start=fork", [&] { FailureLatency(out, plan("w4_failure")); });
+  }
+  if (args.Wants("w5")) {
+    out.Guard("w5_pool", "start=fork", [&] { PoolLifecycle(out, plan("w5_pool")); });
+  }
+  if (args.Wants("w6")) {
+    out.Guard("w6_busy_fork", "", [&] {
+      BusyFork(out, plan("w6_busy_fork"), true, "", "w6_busy_fork");
+    });
+  }
+  return 0;
+}
