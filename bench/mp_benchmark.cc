@@ -235,6 +235,81 @@ BENCHMARK(BM_PoolMapTensors)
     ->Args({2000, 4 << 10})->Args({500, 1 << 20})
     ->UseRealTime()->MinTime(1.0)->Repetitions(3);
 
+// The headline, paired: every iteration makes one bare ping-pong, one Queue round trip of 64 bytes
+// and one round trip of an already-shared tensor of each size, back to back, each timed on its
+// own. On a shared, noisy machine the cost of waking the other process swings by 10x from one
+// second to the next (measured here: 6 us to 80 us for the same bare ping-pong), so only ratios
+// taken in the same iteration mean anything. Counters: mean microseconds of each, and the ratios
+// to the bare ping-pong.
+void BM_PairedRoundTrips(benchmark::State& state) {
+  int sv[2];
+  socketpair(AF_UNIX, SOCK_STREAM, 0, sv);
+  const pid_t bare_pid = fork();
+  if (bare_pid == 0) {
+    close(sv[0]);
+    char buf[kMsg];
+    for (;;) {
+      size_t got = 0;
+      while (got < kMsg) {
+        const ssize_t n = read(sv[1], buf + got, kMsg - got);
+        if (n <= 0) _exit(0);
+        got += static_cast<size_t>(n);
+      }
+      if (write(sv[1], buf, kMsg) != kMsg) _exit(1);
+    }
+  }
+  close(sv[1]);
+  Queue q_to, q_from, t_to, t_from;
+  Process qecho(ProcessOptions{"", false, "fork"}, &QueueEcho, q_to, q_from);
+  Process techo(ProcessOptions{"", false, "fork"}, &TensorEcho, t_to, t_from);
+  qecho.start();
+  techo.start();
+  std::vector<forksafe::device::Tensor> tensors = {forksafe::mp::SharedEmpty({1024}),
+                                                   forksafe::mp::SharedEmpty({256 * 1024}),
+                                                   forksafe::mp::SharedEmpty({16 * 1024 * 1024})};
+  const std::string msg(kMsg, 'x');
+  using Clock = std::chrono::steady_clock;
+  double t_bare = 0, t_queue = 0, t_tensor[3] = {0, 0, 0};
+  char buf[kMsg] = {};
+  for (auto _ : state) {
+    auto a = Clock::now();
+    if (write(sv[0], buf, kMsg) != kMsg) state.SkipWithError("write");
+    for (size_t got = 0; got < kMsg;) {
+      const ssize_t n = read(sv[0], buf + got, kMsg - got);
+      if (n <= 0) break;
+      got += static_cast<size_t>(n);
+    }
+    auto b = Clock::now();
+    t_bare += std::chrono::duration<double, std::micro>(b - a).count();
+    q_to.put(msg);
+    benchmark::DoNotOptimize(q_from.get<std::string>());
+    a = Clock::now();
+    t_queue += std::chrono::duration<double, std::micro>(a - b).count();
+    for (int k = 0; k < 3; ++k) {
+      b = Clock::now();
+      t_to.put(tensors[k]);
+      benchmark::DoNotOptimize(t_from.get<forksafe::device::Tensor>());
+      t_tensor[k] += std::chrono::duration<double, std::micro>(Clock::now() - b).count();
+    }
+  }
+  const double n = static_cast<double>(state.iterations());
+  state.counters["bare_us"] = t_bare / n;
+  state.counters["queue_ratio"] = t_queue / t_bare;
+  state.counters["t4K_ratio"] = t_tensor[0] / t_bare;
+  state.counters["t1M_ratio"] = t_tensor[1] / t_bare;
+  state.counters["t64M_ratio"] = t_tensor[2] / t_bare;
+  state.counters["t4K_us"] = t_tensor[0] / n;
+  state.counters["t64M_us"] = t_tensor[2] / n;
+  q_to.put(std::string());
+  t_to.put(forksafe::device::Tensor::Empty({0}, forksafe::device::DType::kFloat32,
+                                           forksafe::device::kCPU));
+  qecho.join(10.0);
+  techo.join(10.0);
+  close(sv[0]);
+  waitpid(bare_pid, nullptr, 0);
+}
+BENCHMARK(BM_PairedRoundTrips)->UseRealTime()->MinTime(1.0)->Repetitions(5);
+
 const char* kMethods[] = {"fork", "spawn", "forkserver"};
 
 void BM_ProcessStartJoin(benchmark::State& state) {
@@ -283,6 +358,11 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   MedianReporter r;
   benchmark::RunSpecifiedBenchmarks(&r);
+  printf("\npaired (median of 5 repetitions; each ratio measured within the same iterations):\n");
+  for (const char* c : {"bare_us", "queue_ratio", "t4K_ratio", "t1M_ratio", "t64M_ratio"}) {
+    printf("  %-12s %8.2f\n", c, r.counters_[std::string("BM_PairedRoundTrips ") + c]);
+  }
+  printf("  targets: queue_ratio <= 2; tensor ratios <= 3 and within 2x of each other\n");
   const double bare = r.us_["BM_BarePingPong"];
   printf("\nmedians (us):\n");
   for (const auto& [k, v] : r.us_) printf("  %-32s %10.1f\n", k.c_str(), v);

@@ -94,7 +94,9 @@ inline double Median(std::vector<double> v) {
 
 class Emitter {
  public:
-  Emitter(std::string system, int round) : system_(std::move(system)), round_(round) {}
+  // `suffix` is appended to every param (" [1 CPU]" for the pinned runs).
+  Emitter(std::string system, int round, std::string suffix = "")
+      : system_(std::move(system)), round_(round), suffix_(std::move(suffix)) {}
 
   // `extra` is a list of already-encoded JSON members ("\"hangs\": 0").
   void Samples(const std::string& workload, const std::string& param, int64_t bytes,
@@ -114,7 +116,7 @@ class Emitter {
     printf("%s\n", line.c_str());
     fflush(stdout);
     fprintf(stderr, "  [%s r%d] %-14s %-12s median %11.1f us  (n=%zu)\n", system_.c_str(), round_,
-            workload.c_str(), param.c_str(), Median(samples), samples.size());
+            workload.c_str(), (param + suffix_).c_str(), Median(samples), samples.size());
   }
 
   void Error(const std::string& workload, const std::string& param, const std::string& what) const {
@@ -124,9 +126,15 @@ class Emitter {
             param.c_str(), what.c_str());
   }
 
+  // Workload name prefixes to run (empty: all); Guard skips the others.
+  void set_only(std::vector<std::string> only) { only_ = std::move(only); }
+
   // Runs `body`, turning an exception into an error line.
   void Guard(const std::string& workload, const std::string& param,
              const std::function<void()>& body) const {
+    bool wanted = only_.empty();
+    for (const auto& o : only_) wanted = wanted || workload.compare(0, o.size(), o) == 0;
+    if (!wanted) return;
     try {
       body();
     } catch (const std::exception& e) {
@@ -137,10 +145,12 @@ class Emitter {
  private:
   std::string Head(const std::string& workload, const std::string& param) const {
     return "{\"system\": " + Quote(system_) + ", \"round\": " + std::to_string(round_) +
-           ", \"workload\": " + Quote(workload) + ", \"param\": " + Quote(param);
+           ", \"workload\": " + Quote(workload) + ", \"param\": " + Quote(param + suffix_);
   }
   std::string system_;
   int round_;
+  std::string suffix_;
+  std::vector<std::string> only_;
 };
 
 inline std::string SizeName(int64_t bytes) {
@@ -149,15 +159,18 @@ inline std::string SizeName(int64_t bytes) {
   return std::to_string(bytes) + " B";
 }
 
-// --round N --plan PATH --only a,b (workload name prefixes; empty: all)
+// --round N --plan PATH --only a,b (workload name prefixes; empty: all) --suffix TEXT
 struct Args {
   int round = 1;
+  std::string suffix;
   std::string plan = "bench/peers/plan.txt";
   std::vector<std::string> only;
-  bool Wants(const std::string& workload) const {
+  // Whether a group of workloads ("w1", "bd") has any wanted member.
+  bool Wants(const std::string& group) const {
     if (only.empty()) return true;
     for (const auto& o : only) {
-      if (workload.compare(0, o.size(), o) == 0) return true;
+      const size_t k = std::min(o.size(), group.size());
+      if (o.compare(0, k, group, 0, k) == 0) return true;
     }
     return false;
   }
@@ -171,6 +184,8 @@ inline Args ParseArgs(int argc, char** argv) {
       a.round = std::stoi(v);
     } else if (k == "--plan") {
       a.plan = v;
+    } else if (k == "--suffix") {
+      a.suffix = v;
     } else if (k == "--only") {
       std::stringstream ss(v);
       std::string item;

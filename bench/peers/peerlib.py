@@ -60,12 +60,14 @@ def now_us():
 
 
 class Emitter:
-    def __init__(self, system, rnd):
+    def __init__(self, system, rnd, suffix=""):
         self.system = system
         self.round = rnd
+        self.suffix = suffix  # appended to every param (" [1 CPU]" for the pinned runs)
 
     def _head(self, workload, param):
-        return {"system": self.system, "round": self.round, "workload": workload, "param": param}
+        return {"system": self.system, "round": self.round, "workload": workload,
+                "param": param + self.suffix}
 
     def samples(self, workload, param, nbytes, plan, samples, **extra):
         d = self._head(workload, param)
@@ -74,7 +76,8 @@ class Emitter:
         d.update(extra)
         print(json.dumps(d), flush=True)
         print("  [%s r%d] %-14s %-12s median %11.1f us  (n=%d)" % (
-            self.system, self.round, workload, param, statistics.median(samples), len(samples)),
+            self.system, self.round, workload, param + self.suffix, statistics.median(samples),
+            len(samples)),
             file=sys.stderr, flush=True)
 
     def error(self, workload, param, what):
@@ -96,6 +99,7 @@ def parse_args():
     ap.add_argument("--round", type=int, default=1)
     ap.add_argument("--plan", default=os.path.join(os.path.dirname(__file__), "plan.txt"))
     ap.add_argument("--only", default="")
+    ap.add_argument("--suffix", default="")
     a = ap.parse_args()
     a.only = [o for o in a.only.split(",") if o]
     a.wants = lambda w: not a.only or any(w.startswith(o) for o in a.only)

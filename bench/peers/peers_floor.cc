@@ -103,7 +103,8 @@ void Memcpy(const peers::Emitter& out, const peers::Plan& plan, int64_t bytes) {
 int main(int argc, char** argv) {
   const peers::Args args = peers::ParseArgs(argc, argv);
   const auto plans = peers::LoadPlan(args.plan);
-  const peers::Emitter out("floor", args.round);
+  peers::Emitter out("floor", args.round, args.suffix);
+  out.set_only(args.only);
   if (args.Wants("floor_pingpong")) {
     out.Guard("floor_pingpong", "64 B",
               [&] { PingPong(out, peers::PlanFor(plans, "floor_pingpong")); });

@@ -6,7 +6,9 @@
 //   bazel-bin/bench/peers/peers_forksafe --round 1 --plan bench/peers/plan.txt [--only w1,w6]
 //
 // Normally run by bench/peers/run.sh, which alternates it with the peers.
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <signal.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
@@ -17,6 +19,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <stdexcept>
 #include <string>
@@ -226,21 +229,34 @@ void FailureLatency(const peers::Emitter& out, const peers::Plan& plan) {
 int Square(int x) { return x * x; }
 FORKSAFE_ENTRY_POINT(Square);
 
+// Also records the three phases (pool built, first result, closed + joined) of each timed run.
 void PoolLifecycle(const peers::Emitter& out, const peers::Plan& plan) {
+  std::vector<double> start, first, close;
   auto samples = peers::Measure(plan, [&](int i) {
     const auto t0 = Clock::now();
     PoolOptions o;
     o.processes = 2;
     o.start_method = "fork";
     Pool pool(o);
+    const auto t1 = Clock::now();
     const int r = pool.apply(&Square, i);
+    const auto t2 = Clock::now();
     pool.close();
     pool.join();
-    const double us = Us(Clock::now() - t0);
+    const auto t3 = Clock::now();
     if (r != i * i) throw std::runtime_error("pool: wrong result");
-    return us;
+    if (i >= plan.warmup) {
+      start.push_back(Us(t1 - t0));
+      first.push_back(Us(t2 - t1));
+      close.push_back(Us(t3 - t2));
+    }
+    return Us(t3 - t0);
   });
-  out.Samples("w5_pool", "start=fork", 0, plan, samples);
+  char phases[160];
+  snprintf(phases, sizeof phases,
+           "\"phases_us\": {\"start\": %.1f, \"first_result\": %.1f, \"close_join\": %.1f}",
+           peers::Median(start), peers::Median(first), peers::Median(close));
+  out.Samples("w5_pool", "start=fork", 0, plan, samples, {phases});
 }
 
 // ---- 6. Fork while the runtime's thread pools are busy ------------------------------------------
@@ -318,13 +334,201 @@ void BusyFork(const peers::Emitter& out, const peers::Plan& plan, bool child_use
                "\"failures\": " + std::to_string(failures), "\"status\": [" + status + "]"});
 }
 
+// ---- Breakdowns: where the time goes (docs/peers.md), measured with the same loop -------------
+
+void StringEcho(Queue in, Queue out) {
+  for (;;) {
+    std::string s = in.get<std::string>();
+    if (s.empty()) return;
+    out.put(s);
+  }
+}
+
+// Workload 1 without the tensor: the same two Queues and echo child, a 64-byte string.
+void QueueString(const peers::Emitter& out, const peers::Plan& plan) {
+  Queue to, from;
+  Process p(kFork, &StringEcho, to, from);
+  p.start();
+  std::string msg(64, 'x');
+  auto samples = peers::Measure(plan, [&](int i) {
+    msg[0] = static_cast<char>('a' + i % 26);
+    const auto t0 = Clock::now();
+    to.put(msg);
+    const std::string r = from.get<std::string>();
+    const double us = Us(Clock::now() - t0);
+    if (r != msg) throw std::runtime_error("queue: wrong echo");
+    return us;
+  });
+  to.put(std::string());
+  p.join(10.0);
+  out.Samples("bd_queue_string", "64 B", 64, plan, samples);
+}
+
+// What a shared tensor's handle costs in the codec, without any IPC: Encode + Decode in-process.
+void HandleCodec(const peers::Emitter& out, const peers::Plan& plan) {
+  Tensor t = forksafe::mp::SharedEmpty({1024});
+  auto samples = peers::Measure(plan, [&](int) {
+    const auto t0 = Clock::now();
+    forksafe::mp::Message m = forksafe::mp::Encode(t);
+    Tensor r = forksafe::mp::DecodeAs<Tensor>(m);
+    const double us = Us(Clock::now() - t0);
+    if (r.numel() != 1024 || r.data_ptr() == nullptr) throw std::runtime_error("codec");
+    return us;
+  });
+  out.Samples("bd_tensor_codec", "encode+decode", 4096, plan, samples);
+}
+
+// Workload 2's first step alone, in-process: share_memory_() of a fresh, filled tensor.
+void ShareFresh(const peers::Emitter& out, const peers::Plan& plan, int64_t bytes) {
+  const int64_t n = bytes / 4;
+  auto samples = peers::Measure(plan, [&](int i) {
+    Tensor t = Tensor::Full({n}, static_cast<double>(i));
+    const auto t0 = Clock::now();
+    forksafe::mp::share_memory_(t);
+    const double us = Us(Clock::now() - t0);
+    if (!t.is_shared() || F32(t)[n - 1] != static_cast<float>(i)) throw std::runtime_error("share");
+    return us;
+  });
+  out.Samples("bd_share_fresh", peers::SizeName(bytes), bytes, plan, samples);
+}
+
+// The system calls behind a dedicated (uncached) segment, one step at a time: what sending a
+// fresh 64 MiB tensor costs below any library. create = memfd_create + ftruncate + fallocate;
+// map = mmap in the sender; copy = memcpy of the data into it (first touch: page faults);
+// import = mmap(MAP_POPULATE) in a receiver; unmap = munmap of both + close.
+void RawSegment(const peers::Emitter& out, const peers::Plan& plan, int64_t bytes) {
+  const size_t n = static_cast<size_t>(bytes);
+  std::vector<char> src(n, 1);
+  std::vector<double> create, map, copy, import, unmap;
+  auto samples = peers::Measure(plan, [&](int i) {
+    src[0] = static_cast<char>(i);
+    const auto t0 = Clock::now();
+    const int fd = memfd_create("peers-raw", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, static_cast<off_t>(n)) != 0 ||
+        posix_fallocate(fd, 0, static_cast<off_t>(n)) != 0) {
+      throw std::runtime_error("memfd");
+    }
+    const auto t1 = Clock::now();
+    void* a = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    const auto t2 = Clock::now();
+    memcpy(a, src.data(), n);
+    const auto t3 = Clock::now();
+    void* b = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    const auto t4 = Clock::now();
+    if (a == MAP_FAILED || b == MAP_FAILED || static_cast<char*>(b)[0] != static_cast<char>(i)) {
+      throw std::runtime_error("raw segment");
+    }
+    munmap(a, n);
+    munmap(b, n);
+    close(fd);
+    const auto t5 = Clock::now();
+    if (i >= plan.warmup) {
+      create.push_back(Us(t1 - t0));
+      map.push_back(Us(t2 - t1));
+      copy.push_back(Us(t3 - t2));
+      import.push_back(Us(t4 - t3));
+      unmap.push_back(Us(t5 - t4));
+    }
+    return Us(t5 - t0);
+  });
+  char steps[200];
+  snprintf(steps, sizeof steps,
+           "\"steps_us\": {\"create\": %.1f, \"map\": %.1f, \"copy\": %.1f, \"import\": %.1f, "
+           "\"unmap\": %.1f}",
+           peers::Median(create), peers::Median(map), peers::Median(copy), peers::Median(import),
+           peers::Median(unmap));
+  out.Samples("bd_raw_segment", peers::SizeName(bytes), bytes, plan, samples, {steps});
+}
+
+// Workload 4 (fork) with the two processes joined by blocking Process::join (pidfd) instead of
+// spawn()'s polling ProcessContext::join.
+void Spawn2BlockingJoin(const peers::Emitter& out, const peers::Plan& plan) {
+  forksafe::mp::SpawnOptions o;
+  o.nprocs = 2;
+  o.start_method = "fork";
+  o.join = false;
+  auto samples = peers::Measure(plan, [&](int) {
+    const auto t0 = Clock::now();
+    auto ctx = forksafe::mp::spawn(&Trivial, std::make_tuple(), o);
+    for (auto& p : ctx->processes()) p.join();
+    const double us = Us(Clock::now() - t0);
+    for (auto& p : ctx->processes()) {
+      if (p.exitcode() != 0) throw std::runtime_error("spawn: a child failed");
+    }
+    return us;
+  });
+  out.Samples("bd_spawn_fork_blocking_join", "start=fork", 0, plan, samples);
+}
+
+// Workload 4's failure with the parent blocked on the failing child (Process::join, pidfd), then
+// doing what spawn() does on a failure: read the report, terminate and reap the other.
+void FailureBlockingJoin(const peers::Emitter& out, const peers::Plan& plan) {
+  const std::string path = "/dev/shm/peers_fail_bd_" + std::to_string(getpid());
+  forksafe::mp::SpawnOptions o;
+  o.nprocs = 2;
+  o.start_method = "fork";
+  o.join = false;
+  auto samples = peers::Measure(plan, [&](int) {
+    unlink(path.c_str());
+    auto ctx = forksafe::mp::spawn(&FailOne, std::make_tuple(path), o);
+    auto& ps = ctx->processes();
+    ps[1].join();
+    const auto failure = ps[1].failure();
+    ps[0].terminate();
+    ps[0].join();
+    const int64_t caught = MonotonicNs();
+    int64_t failed = 0;
+    std::ifstream(path) >> failed;
+    if (!failure || failure->message != "boom" || failed == 0) {
+      throw std::runtime_error("failure: no report");
+    }
+    return static_cast<double>(caught - failed) / 1e3;
+  });
+  unlink(path.c_str());
+  out.Samples("bd_failure_blocking_join", "start=fork", 0, plan, samples);
+}
+
+// Workload 3's reductions alone, serially in this process: the compute a map cannot go below
+// (divided by the 2 workers).
+void SerialSum(const peers::Emitter& out, const peers::Plan& plan, int count, int64_t bytes) {
+  const int64_t n = bytes / 4;
+  std::vector<Tensor> inputs;
+  for (int i = 0; i < count; ++i) {
+    inputs.push_back(forksafe::mp::SharedEmpty({n}));
+    std::fill_n(F32(inputs.back()), n, static_cast<float>(i % 7));
+  }
+  auto samples = peers::Measure(plan, [&](int) {
+    const auto t0 = Clock::now();
+    double total = 0;
+    for (const Tensor& t : inputs) total += TensorSum(t);
+    const double us = Us(Clock::now() - t0);
+    if (total <= 0) throw std::runtime_error("sum");
+    return us;
+  });
+  out.Samples("bd_sum_serial", std::to_string(count) + " x " + peers::SizeName(bytes), bytes,
+              plan, samples);
+}
+
+// fork + _exit + waitpid through the runtime with its pools idle (never used in this process).
+void IdleFork(const peers::Emitter& out, const peers::Plan& plan) {
+  auto samples = peers::Measure(plan, [&](int) {
+    const auto t0 = Clock::now();
+    const pid_t pid = fork();
+    if (pid == 0) _exit(0);
+    if (pid < 0 || WaitBounded(pid, 2000) != 0) throw std::runtime_error("fork");
+    return Us(Clock::now() - t0);
+  });
+  out.Samples("bd_fork_idle", "", 0, plan, samples);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   forksafe::mp::InitMain(argc, argv);
   const peers::Args args = peers::ParseArgs(argc, argv);
   const auto plans = peers::LoadPlan(args.plan);
-  const peers::Emitter out("forksafe", args.round);
+  peers::Emitter out("forksafe", args.round, args.suffix);
+  out.set_only(args.only);
   auto plan = [&](const char* name) { return peers::PlanFor(plans, name); };
 
   if (args.Wants("w1")) {
@@ -352,6 +556,25 @@ int main(int argc, char** argv) {
   if (args.Wants("w6")) {
     out.Guard("w6_busy_fork", "", [&] {
       BusyFork(out, plan("w6_busy_fork"), true, "", "w6_busy_fork");
+    });
+  }
+  if (args.Wants("bd")) {
+    out.Guard("bd_queue_string", "64 B", [&] { QueueString(out, plan("w1_roundtrip")); });
+    out.Guard("bd_tensor_codec", "encode+decode", [&] { HandleCodec(out, plan("w1_roundtrip")); });
+    for (int64_t b : peers::kSizes) {
+      out.Guard("bd_share_fresh", peers::SizeName(b), [&] { ShareFresh(out, plan("w2_fresh"), b); });
+    }
+    out.Guard("bd_raw_segment", "64 MiB",
+              [&] { RawSegment(out, plan("w2_fresh"), int64_t{64} << 20); });
+    out.Guard("bd_sum_serial", "2000 x 4 KiB", [&] { SerialSum(out, plan("w3_poolmap"), 2000, 4 << 10); });
+    out.Guard("bd_sum_serial", "500 x 1 MiB", [&] { SerialSum(out, plan("w3_poolmap"), 500, 1 << 20); });
+    out.Guard("bd_spawn_fork_blocking_join", "start=fork",
+              [&] { Spawn2BlockingJoin(out, plan("w4_spawn_fork")); });
+    out.Guard("bd_failure_blocking_join", "start=fork",
+              [&] { FailureBlockingJoin(out, plan("w4_failure")); });
+    out.Guard("bd_fork_idle", "", [&] { IdleFork(out, plan("floor_fork")); });
+    out.Guard("bd_busy_fork_child_exits", "", [&] {
+      BusyFork(out, plan("w6_busy_fork"), false, "", "bd_busy_fork_child_exits");
     });
   }
   return 0;

@@ -17,6 +17,7 @@ loop its users write (wait on the sentinels, terminate the others on the first f
 """
 import multiprocessing as mp
 import os
+import statistics
 import threading
 import time
 from multiprocessing import shared_memory
@@ -216,21 +217,30 @@ def square(x):
 
 
 def pool_lifecycle(out, plan):
+    """Also records the three phases (pool built, first result, closed + joined)."""
     ctx = mp.get_context("fork")
+    phases = dict(start=[], first_result=[], close_join=[])
 
     def it(i):
         t0 = now_us()
         pool = ctx.Pool(2)
+        t1 = now_us()
         r = pool.apply(square, (i,))
+        t2 = now_us()
         pool.close()
         pool.join()
-        us = now_us() - t0
+        t3 = now_us()
         if r != i * i:
             raise RuntimeError("pool: wrong result")
-        return us
+        if i >= plan["warmup"]:
+            phases["start"].append(t1 - t0)
+            phases["first_result"].append(t2 - t1)
+            phases["close_join"].append(t3 - t2)
+        return t3 - t0
 
     samples = peerlib.measure(plan, it)
-    out.samples("w5_pool", "start=fork", 0, plan, samples)
+    out.samples("w5_pool", "start=fork", 0, plan, samples,
+                phases_us={k: round(statistics.median(v), 1) for k, v in phases.items()})
 
 
 # ---- 6. Fork while a numpy-heavy thread runs ------------------------------------------------------
@@ -291,7 +301,7 @@ def busy_fork(out, plan):
 def main():
     args = peerlib.parse_args()
     plans = peerlib.load_plan(args.plan)
-    out = peerlib.Emitter(SYSTEM, args.round)
+    out = peerlib.Emitter(SYSTEM, args.round, args.suffix)
     if args.wants("w1"):
         for b in peerlib.SIZES:
             out.guard("w1_roundtrip", peerlib.size_name(b),

@@ -10,6 +10,7 @@ is multiprocessing's Pool with torch's reductions), "spawn" for torch.multiproce
 the "file_descriptor" sharing strategy.
 """
 import os
+import statistics
 import threading
 import time
 
@@ -180,19 +181,29 @@ def square(x):
 
 
 def pool_lifecycle(out, plan):
+    """Also records the three phases (pool built, first result, closed + joined)."""
+    phases = dict(start=[], first_result=[], close_join=[])
+
     def it(i):
         t0 = now_us()
         pool = tmp.Pool(2)
+        t1 = now_us()
         r = pool.apply(square, (i,))
+        t2 = now_us()
         pool.close()
         pool.join()
-        us = now_us() - t0
+        t3 = now_us()
         if r != i * i:
             raise RuntimeError("pool: wrong result")
-        return us
+        if i >= plan["warmup"]:
+            phases["start"].append(t1 - t0)
+            phases["first_result"].append(t2 - t1)
+            phases["close_join"].append(t3 - t2)
+        return t3 - t0
 
     samples = peerlib.measure(plan, it)
-    out.samples("w5_pool", "start=fork", 0, plan, samples)
+    out.samples("w5_pool", "start=fork", 0, plan, samples,
+                phases_us={k: round(statistics.median(v), 1) for k, v in phases.items()})
 
 
 # ---- 6. Fork while the intra-op thread pool is busy -----------------------------------------------
@@ -261,7 +272,7 @@ def busy_fork(out, plan, workaround):
 def main():
     args = peerlib.parse_args()
     plans = peerlib.load_plan(args.plan)
-    out = peerlib.Emitter(SYSTEM, args.round)
+    out = peerlib.Emitter(SYSTEM, args.round, args.suffix)
     if args.wants("w1"):
         for b in peerlib.SIZES:
             out.guard("w1_roundtrip", peerlib.size_name(b),
