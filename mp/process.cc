@@ -109,9 +109,14 @@ pid_t SpawnExecutable(const char* flag, int fd_for_child) {
 
 // ---- Process ------------------------------------------------------------------------------------
 
+namespace internal {
+std::atomic<ShareTensorHook> g_share_tensor_hook{nullptr};
+}  // namespace internal
+
 struct Process::Impl {
   ProcessOptions options;
   std::function<void()> local_target;
+  std::function<void()> before_fork;
   const void* fn = nullptr;
   std::function<Message()> encode_args;
 
@@ -245,6 +250,7 @@ struct Process::Impl {
   }
 
   void StartFork() {
+    if (before_fork) before_fork();
     auto [parent_end, child_end] = Pipe(true);
     FileDescriptor lifeline = internal::LifelineReadEnd();
     std::fflush(nullptr);
@@ -312,7 +318,8 @@ Process::Process(ProcessOptions options, int) : impl_(std::make_unique<Impl>()) 
 }
 
 void Process::SetTargets(std::function<void()> local, const void* fn,
-                         std::function<Message()> encode) {
+                         std::function<Message()> encode, std::function<void()> before_fork) {
+  impl_->before_fork = std::move(before_fork);
   impl_->local_target = std::move(local);
   impl_->fn = fn;
   impl_->encode_args = std::move(encode);

@@ -42,6 +42,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -52,6 +53,7 @@
 #include <vector>
 
 #include "cereal/details/traits.hpp"
+#include "device/tensor.h"
 #include "mp/codec.h"
 #include "mp/connection.h"
 #include "mp/entry_point.h"
@@ -88,6 +90,25 @@ struct ChildFailure {
     ar(type, message, traceback);
   }
 };
+
+namespace internal {
+/// Moves a tensor to shared memory; installed by mp/sharing (null when it is not linked).
+using ShareTensorHook = void (*)(const device::Tensor&);
+extern std::atomic<ShareTensorHook> g_share_tensor_hook;
+
+/// With the fork start method arguments are copied with the parent's memory, not encoded: tensor
+/// arguments are moved to shared memory first, so that they cross without copies there too.
+template <class T>
+void ShareForFork(const T& value) {
+  if constexpr (std::is_same_v<T, device::Tensor>) {
+    if (ShareTensorHook h = g_share_tensor_hook.load()) h(value);
+  } else if constexpr (std::is_same_v<T, std::vector<device::Tensor>>) {
+    if (ShareTensorHook h = g_share_tensor_hook.load()) {
+      for (const device::Tensor& t : value) h(t);
+    }
+  }
+}
+}  // namespace internal
 
 /// A function running in another process.
 class Process {
@@ -139,7 +160,8 @@ class Process {
  private:
   Process(ProcessOptions options, int);  // allocates impl_
 
-  void SetTargets(std::function<void()> local, const void* fn, std::function<Message()> encode);
+  void SetTargets(std::function<void()> local, const void* fn, std::function<Message()> encode,
+                  std::function<void()> before_fork = nullptr);
 
   template <class R, class... Params, class... Args>
   void Bind(R (*fn)(Params...), Args&&... args) {
@@ -151,7 +173,8 @@ class Process {
       encode = [tup] { return std::apply([](const auto&... a) { return Encode(a...); }, *tup); };
     }
     SetTargets([fn, tup] { std::apply(fn, *tup); }, reinterpret_cast<const void*>(fn),
-               std::move(encode));
+               std::move(encode),
+               [tup] { std::apply([](const auto&... a) { (internal::ShareForFork(a), ...); }, *tup); });
   }
   template <class R, class... Params, class... Args>
   void Bind(R (&fn)(Params...), Args&&... args) {
@@ -160,11 +183,10 @@ class Process {
   template <class F, class... Args,
             class = std::enable_if_t<!std::is_function_v<std::remove_pointer_t<std::decay_t<F>>>>>
   void Bind(F&& f, Args&&... args) {
-    auto call = [f = std::decay_t<F>(std::forward<F>(f)),
-                 tup = std::make_tuple(std::decay_t<Args>(std::forward<Args>(args))...)]() mutable {
-      std::apply(f, tup);
-    };
-    SetTargets(std::move(call), nullptr, nullptr);
+    auto tup = std::make_shared<std::tuple<std::decay_t<Args>...>>(std::forward<Args>(args)...);
+    auto call = [f = std::decay_t<F>(std::forward<F>(f)), tup]() mutable { std::apply(f, *tup); };
+    SetTargets(std::move(call), nullptr, nullptr,
+               [tup] { std::apply([](const auto&... a) { (internal::ShareForFork(a), ...); }, *tup); });
   }
 
   std::unique_ptr<Impl> impl_;

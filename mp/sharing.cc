@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "device/storage.h"
+#include "mp/process.h"
 #include "runtime/error.h"
 
 namespace forksafe::mp {
@@ -72,6 +73,14 @@ void ShareStorage(const device::Storage& s) {
   s.set_shared(true);
   Remember(block, s);
 }
+
+// Lets Process share tensor arguments before a fork (mp/process.h).
+const bool g_hook_installed = [] {
+  internal::g_share_tensor_hook.store(+[](const device::Tensor& t) {
+    if (t.device().is_cpu()) ShareStorage(t.storage());
+  });
+  return true;
+}();
 
 }  // namespace
 

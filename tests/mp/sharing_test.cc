@@ -20,6 +20,7 @@
 
 #include "device/tensor.h"
 #include "gtest/gtest.h"
+#include "mp/connection.h"
 #include "mp/internal/shm_manager.h"
 #include "mp/process.h"
 #include "mp/queue.h"
@@ -221,6 +222,36 @@ TEST_P(SharingAcrossProcesses, SameStorageSentTwiceArrivesAsOneStorage) {
 INSTANTIATE_TEST_SUITE_P(StartMethods, SharingAcrossProcesses,
                          ::testing::Values("fork", "spawn", "forkserver"),
                          [](const auto& info) { return info.param; });
+
+// Through a Pipe, and as a Process argument: the same handles, the same memory.
+void DoubleOverPipe(Connection c, Tensor as_argument) {
+  Tensor t = c.recv<Tensor>();
+  for (Tensor* x : {&t, &as_argument}) {
+    float* p = static_cast<float*>(x->data_ptr());
+    for (int64_t i = 0; i < x->numel(); ++i) p[i] *= 2.f;
+  }
+  c.send(t.Slice(0, 0, 2));
+}
+FORKSAFE_ENTRY_POINT(DoubleOverPipe);
+
+TEST_P(SharingAcrossProcesses, PipeAndProcessArgumentsCarryHandles) {
+  auto [mine, theirs] = Pipe();
+  Tensor arg = Tensor::FromVector(std::vector<float>{1, 2, 3}, {3});
+  Tensor sent = Tensor::FromVector(std::vector<float>{5, 6, 7, 8}, {4});
+  Process p(Opt(), &DoubleOverPipe, theirs, arg);
+  p.start();
+  mine.send(sent);
+  ASSERT_TRUE(mine.poll(30s));
+  Tensor back = mine.recv<Tensor>();
+  ASSERT_TRUE(p.join(30s));
+  EXPECT_EQ(p.exitcode(), 0);
+  EXPECT_EQ(sent.ToVector<float>(), (std::vector<float>{10, 12, 14, 16}));
+  EXPECT_EQ(back.storage(), sent.storage());
+  // With every start method, including fork (where arguments are not encoded), the tensor
+  // argument was moved to shared memory and the child's writes are seen here.
+  EXPECT_TRUE(arg.is_shared());
+  EXPECT_EQ(arg.ToVector<float>(), (std::vector<float>{2, 4, 6}));
+}
 
 TEST(SharingTest, PutAndGetInOneProcess) {
   Queue q;
