@@ -191,8 +191,12 @@ class QueueLock {
   QueueLock(internal::QueueShared* h, internal::Deadline deadline) : h_(h) {
     held_ = h_->mu.Lock(deadline) != internal::LockResult::kTimedOut;
   }
-  ~QueueLock() {
+  ~QueueLock() { Release(); }
+  /// Unlocks early (idempotent), so that a wake-up is not sent to a process that would then
+  /// block on this very lock.
+  void Release() {
     if (held_) h_->mu.Unlock();
+    held_ = false;
   }
   bool held() const { return held_; }
 
@@ -285,7 +289,8 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
       h->head += need;  // commit
       ++h->count;
       ++h->unfinished;
-      h->not_empty.Signal();
+      lock.Release();
+      h->not_empty.Signal();  // after unlocking: the woken reader takes the lock at once
       return;
     }
     if (need > cap) {
@@ -343,6 +348,7 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
   }
   h->tail += RoundUp8(sizeof(rec) + rec.length);  // commit
   --h->count;
+  lock.Release();
   h->not_full.Broadcast();
   if (spilled) {
     if (msg.fds.empty()) throw Error(ErrorCode::kInternal, "Queue::get: out-of-band item lost");
