@@ -41,6 +41,26 @@ done < <(grep -E '^//[^ ]+ +(\(cached\) +)?(PASSED|FAILED|TIMEOUT|FLAKY|INCOMPLE
 if [ "$passed" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$status" -ne 0 ]; then
   failed=1  # the build itself failed before any test ran
 fi
+
+# Nothing may be left in /dev/shm by the tests (named segments of the file_system strategy whose
+# creator is gone). Give the shm managers a moment to finish, then count what remains.
+leftover=0
+for _ in 1 2 3 4 5 6 7 8 9 10; do
+  leftover=0
+  for f in /dev/shm/forksafe_*; do
+    [ -e "$f" ] || continue
+    pid="${f#/dev/shm/forksafe_}"; pid="${pid%%_*}"
+    if ! kill -0 "$pid" 2>/dev/null; then leftover=$((leftover + 1)); fi
+  done
+  [ "$leftover" -eq 0 ] && break
+  sleep 1
+done
+if [ "$leftover" -ne 0 ]; then
+  echo "forksafe: $leftover shared-memory segment(s) of exited processes were left in /dev/shm:" >&2
+  ls -l /dev/shm/forksafe_* >&2
+  failed=$((failed + 1))
+  status=1
+fi
 echo
 echo "$passed passed, $failed failed, $skipped skipped"
 exit "$status"
