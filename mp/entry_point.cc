@@ -21,15 +21,7 @@ Registry& Reg() {
   static auto* r = [] {
     auto* reg = new Registry();  // leaked: used until the process exits
     // Held across fork, so that a child never inherits it locked by another thread.
-    runtime::AtForkHandler h;
-    h.name = "mp_entry_points";
-    h.prepare = [reg](const runtime::PrepareAttempt&) {
-      reg->mu.lock();
-      return true;
-    };
-    h.parent = [reg](bool) { reg->mu.unlock(); };
-    h.child = [reg](bool) { reg->mu.unlock(); };
-    runtime::AtForkRegistry::Get().Register(reg, std::move(h));
+    runtime::HoldAcrossFork(&reg->mu, "mp_entry_points");
     return reg;
   }();
   return *r;

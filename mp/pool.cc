@@ -26,6 +26,7 @@ namespace forksafe::mp {
 
 using runtime::Error;
 using runtime::ErrorCode;
+using internal::Demangle;
 
 // ---- errors -------------------------------------------------------------------------------------
 
@@ -43,14 +44,6 @@ std::string RemoteMessage(const ChildFailure& f, pid_t pid, const std::string& c
 std::string DescribeExit(int code) {
   if (code < 0) return absl::StrCat("was killed by signal ", SignalName(-code));
   return absl::StrCat("exited with code ", code);
-}
-
-std::string Demangle(const char* name) {
-  int status = 0;
-  char* d = abi::__cxa_demangle(name, nullptr, nullptr, &status);
-  std::string out = (status == 0 && d != nullptr) ? d : name;
-  free(d);
-  return out;
 }
 
 ChildFailure CurrentFailure() {

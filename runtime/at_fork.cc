@@ -300,6 +300,21 @@ DefaultFrameworkLock& internal_default_framework_lock() {
   return AtForkRegistry::Get().default_framework_lock_;
 }
 
+void HoldAcrossFork(std::mutex* mu, std::string name, std::function<void()> in_child) {
+  AtForkHandler h;
+  h.name = std::move(name);
+  h.prepare = [mu](const PrepareAttempt&) {
+    mu->lock();
+    return true;
+  };
+  h.parent = [mu](bool) { mu->unlock(); };
+  h.child = [mu, in_child = std::move(in_child)](bool) {
+    if (in_child) in_child();
+    mu->unlock();
+  };
+  AtForkRegistry::Get().Register(mu, std::move(h));
+}
+
 bool InForkHandler() { return t_in_handler; }
 
 namespace internal {

@@ -196,6 +196,13 @@ class AtForkRegistration {
   const void* handle_;
 };
 
+/// Holds `mu` across every fork: locked in prepare, unlocked in the parent, and unlocked in the
+/// child after `in_child` ran (with the lock still held, on the child's only thread). The common
+/// case of a subsystem whose state is guarded by one mutex: no thread is half-way through it at
+/// the fork, and the child can reset it safely. `mu` is the registration handle and must live
+/// for the rest of the process. Throws as AtForkRegistry::Register.
+void HoldAcrossFork(std::mutex* mu, std::string name, std::function<void()> in_child = nullptr);
+
 /// True on the thread that is running at-fork handlers, while it runs them.
 bool InForkHandler();
 

@@ -67,6 +67,18 @@ class RunningTask {
   int prev_depth_;
 };
 
+// Runs one task of `s` on this thread; returns whether it threw. The task (and what it captured)
+// is destroyed before returning.
+bool RunTask(PoolState* s, std::function<void()> task) {
+  RunningTask mark(s);
+  try {
+    task();
+  } catch (...) {
+    return true;
+  }
+  return false;
+}
+
 void WorkerLoop(PoolState* s, PoolState::Worker* self) {
   t_worker_state = s;
   std::unique_lock<std::mutex> lk(s->mu);
@@ -77,16 +89,7 @@ void WorkerLoop(PoolState* s, PoolState::Worker* self) {
     s->queue.pop_front();
     ++s->running;
     lk.unlock();
-    bool threw = false;
-    {
-      RunningTask mark(s);
-      try {
-        task();
-      } catch (...) {
-        threw = true;
-      }
-      task = nullptr;
-    }
+    const bool threw = RunTask(s, std::move(task));
     if (ForkGeneration() != s->generation) {
       // This thread forked from inside the task and is now the only thread of a child: the
       // state belongs to the parent. Touch nothing; ending the thread is all that is left.
@@ -244,16 +247,7 @@ bool ThreadPool::TryRunOne() {
     s->queue.pop_front();
     ++s->running;
   }
-  bool threw = false;
-  {
-    RunningTask mark(s);
-    try {
-      task();
-    } catch (...) {
-      threw = true;
-    }
-    task = nullptr;
-  }
+  const bool threw = RunTask(s, std::move(task));
   if (ForkGeneration() != s->generation) return true;  // forked inside the task: state is gone
   std::lock_guard<std::mutex> lk(s->mu);
   --s->running;

@@ -30,14 +30,6 @@ namespace {
 using runtime::Error;
 using runtime::ErrorCode;
 
-std::string Demangle(const char* name) {
-  int status = 0;
-  char* d = abi::__cxa_demangle(name, nullptr, nullptr, &status);
-  std::string out = (status == 0 && d != nullptr) ? d : name;
-  free(d);
-  return out;
-}
-
 // ---- lifeline ----
 struct Lifeline {
   std::mutex mu;
@@ -52,22 +44,12 @@ Lifeline& TheLifeline() {
 
 // Forked children must not hold their parent's lifeline: close it, start afresh lazily.
 const bool g_lifeline_handler = [] {
-  static int tag;
-  runtime::AtForkHandler h;
-  h.name = "mp_lifeline";
-  h.prepare = [](const runtime::PrepareAttempt&) {
-    TheLifeline().mu.lock();  // no thread is half-way through creating the pipe
-    return true;
-  };
-  h.parent = [](bool) { TheLifeline().mu.unlock(); };
-  h.child = [](bool) {
+  runtime::HoldAcrossFork(&TheLifeline().mu, "mp_lifeline", [] {
     Lifeline& l = TheLifeline();
     if (l.read_end >= 0) ::close(l.read_end);
     if (l.write_end >= 0) ::close(l.write_end);
     l.read_end = l.write_end = -1;
-    l.mu.unlock();
-  };
-  runtime::AtForkRegistry::Get().Register(&tag, std::move(h));
+  });
   return true;
 }();
 
@@ -77,6 +59,14 @@ std::string& Argv0Storage() {
 }
 
 }  // namespace
+
+std::string Demangle(const char* name) {
+  int status = 0;
+  char* d = abi::__cxa_demangle(name, nullptr, nullptr, &status);
+  std::string out = (status == 0 && d != nullptr) ? d : name;
+  free(d);
+  return out;
+}
 
 void SetArgv0(const char* argv0) {
   if (argv0 != nullptr && *argv0 != '\0') Argv0Storage() = argv0;
@@ -182,6 +172,18 @@ void RunChildBody(const std::function<void()>& target, Connection result, const 
 
 namespace {
 
+// The body a child runs for `req`: its entry point with its arguments, or, for a name this
+// program does not know, a throw that reports it to the parent.
+std::function<void()> TargetOf(RunRequest& req) {
+  try {
+    const EntryInvoker& invoke = FindEntryPoint(req.entry);
+    return [&invoke, &req] { invoke(req.args); };
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    return [what] { throw Error(ErrorCode::kNotFound, what); };
+  }
+}
+
 [[noreturn]] void ServeForever(int sock) {
   // SIGCHLD through a signalfd, so the loop can wait on requests, deaths and the lifeline at once.
   sigset_t mask;
@@ -240,15 +242,7 @@ namespace {
         status_channels.clear();
         WatchLifeline(std::move(req.lifeline));
         Connection result(std::move(req.result), true, true);
-        std::function<void()> target;
-        try {
-          const EntryInvoker& invoke = FindEntryPoint(req.entry);
-          target = [&invoke, &req] { invoke(req.args); };
-        } catch (const Error& e) {
-          const std::string what = e.what();
-          target = [what] { throw Error(ErrorCode::kNotFound, what); };
-        }
-        RunChildBody(target, std::move(result), req.name);
+        RunChildBody(TargetOf(req), std::move(result), req.name);
       }
       if (pid < 0) {
         requests.send(static_cast<int32_t>(-errno));
@@ -271,15 +265,7 @@ namespace {
   }
   WatchLifeline(std::move(req.lifeline));
   Connection result = req.result ? Connection(std::move(req.result), true, true) : boot;
-  std::function<void()> target;
-  try {
-    const EntryInvoker& invoke = FindEntryPoint(req.entry);
-    target = [&invoke, &req] { invoke(req.args); };
-  } catch (const Error& e) {
-    const std::string what = e.what();
-    target = [what] { throw Error(ErrorCode::kNotFound, what); };
-  }
-  RunChildBody(target, std::move(result), req.name);
+  RunChildBody(TargetOf(req), std::move(result), req.name);
 }
 
 struct ForkServer {
@@ -294,24 +280,14 @@ ForkServer& TheServer() {
 }
 
 const bool g_server_handler = [] {
-  static int tag;
-  runtime::AtForkHandler h;
-  h.name = "mp_forkserver";
-  h.prepare = [](const runtime::PrepareAttempt&) {
-    TheServer().mu.lock();
-    return true;
-  };
-  h.parent = [](bool) { TheServer().mu.unlock(); };
-  h.child = [](bool) {
-    // The server belongs to the parent; a forked child starts its own if it needs one.
-    // Its mutex was held across the fork, so no thread was using the socket: closing is safe.
+  // The server belongs to the parent; a forked child starts its own if it needs one. Its mutex
+  // was held across the fork, so no thread was using the socket: closing it is safe.
+  runtime::HoldAcrossFork(&TheServer().mu, "mp_forkserver", [] {
     ForkServer& s = TheServer();
     s.requests.close();
     s.requests = Connection();
     s.pid = 0;
-    s.mu.unlock();
-  };
-  runtime::AtForkRegistry::Get().Register(&tag, std::move(h));
+  });
   return true;
 }();
 

@@ -62,6 +62,9 @@ std::string LastThrowTrace();
 /// the pid of the new child.
 pid_t ForkServerRun(Message request);
 
+/// A C++ type name made readable ("std::runtime_error").
+std::string Demangle(const char* mangled);
+
 // ---- program path -----------------------------------------------------------------------------
 void SetArgv0(const char* argv0);
 const std::string& Argv0();

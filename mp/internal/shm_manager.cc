@@ -42,22 +42,12 @@ Client& TheClient() {
 // A forked child must not hold its parent's manager connection (the manager would not see the
 // parent's end-of-file while the child lives): close it; the child starts its own manager.
 const bool g_handler = [] {
-  static int tag;
-  runtime::AtForkHandler h;
-  h.name = "mp_shm_manager";
-  h.prepare = [](const runtime::PrepareAttempt&) {
-    TheClient().mu.lock();
-    return true;
-  };
-  h.parent = [](bool) { TheClient().mu.unlock(); };
-  h.child = [](bool) {
+  runtime::HoldAcrossFork(&TheClient().mu, "mp_shm_manager", [] {
     Client& c = TheClient();
     c.conn.close();
     c.conn = Connection();
     c.pid = 0;
-    c.mu.unlock();
-  };
-  runtime::AtForkRegistry::Get().Register(&tag, std::move(h));
+  });
   return true;
 }();
 
