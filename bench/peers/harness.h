@@ -11,10 +11,13 @@
 #ifndef FORKSAFE_BENCH_PEERS_HARNESS_H_
 #define FORKSAFE_BENCH_PEERS_HARNESS_H_
 
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -160,9 +163,12 @@ inline std::string SizeName(int64_t bytes) {
 }
 
 // --round N --plan PATH --only a,b (workload name prefixes; empty: all) --suffix TEXT
+// --size BYTES (workloads 1 and 2 at this size only, for profiling one size)
 struct Args {
   int round = 1;
+  int64_t size = 0;
   std::string suffix;
+  bool WantsSize(int64_t bytes) const { return size == 0 || size == bytes; }
   std::string plan = "bench/peers/plan.txt";
   std::vector<std::string> only;
   // Whether a group of workloads ("w1", "bd") has any wanted member.
@@ -184,6 +190,8 @@ inline Args ParseArgs(int argc, char** argv) {
       a.round = std::stoi(v);
     } else if (k == "--plan") {
       a.plan = v;
+    } else if (k == "--size") {
+      a.size = std::stoll(v);
     } else if (k == "--suffix") {
       a.suffix = v;
     } else if (k == "--only") {
@@ -203,6 +211,17 @@ inline const Plan& PlanFor(const std::map<std::string, Plan>& plans, const std::
   auto it = plans.find(name);
   if (it == plans.end()) throw std::runtime_error("plan.txt has no line for " + name);
   return it->second;
+}
+
+// In the child of a ping-pong or round trip: pins it to CPU $PEERS_CHILD_CPU when that is set
+// (run.sh pins the parent with taskset), to measure the cross-CPU case deterministically.
+inline void PinChild() {
+  const char* cpu = getenv("PEERS_CHILD_CPU");
+  if (cpu == nullptr || *cpu == 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(atoi(cpu), &set);
+  sched_setaffinity(0, sizeof set, &set);
 }
 
 inline const int64_t kSizes[] = {int64_t{4} << 10, int64_t{1} << 20, int64_t{64} << 20};

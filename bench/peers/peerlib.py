@@ -55,6 +55,14 @@ def measure(plan, it):
     return samples
 
 
+def pin_child():
+    """In the child of a round trip: pins it to CPU $PEERS_CHILD_CPU when that is set (run.sh
+    pins the parent with taskset), to measure the cross-CPU case deterministically."""
+    cpu = os.environ.get("PEERS_CHILD_CPU")
+    if cpu:
+        os.sched_setaffinity(0, {int(cpu)})
+
+
 def now_us():
     return time.perf_counter_ns() / 1e3
 

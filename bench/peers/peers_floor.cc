@@ -3,13 +3,26 @@
 //
 //   floor_pingpong / 64 B : 64 bytes there and back over an AF_UNIX socketpair between two
 //                           processes, raw read/write (two context switches and four syscalls).
+//   floor_futex_pingpong  : the same turn-taking through a futex in a shared page (FUTEX_WAIT /
+//                           FUTEX_WAKE, no data copied): the wake-up mechanism forksafe's Queue
+//                           uses. A socket wake-up is a "sync" wake-up that lets the scheduler
+//                           pull the woken process onto the waker's CPU; a futex wake-up is not.
+//
+// PEERS_CHILD_CPU=N in the environment pins the ping-pong children to CPU N (the parent is
+// pinned by the caller with taskset): the cross-CPU case, measured deterministically.
 //   floor_fork            : fork() + _exit(0) in the child + waitpid() in the parent.
 //   floor_memcpy / size   : memcpy of 4 KiB, 1 MiB and 64 MiB between pre-faulted buffers
 //                           (the least a copy of a fresh tensor into shared memory costs).
+#include <linux/futex.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -34,11 +47,53 @@ bool ReadFull(int fd, char* buf, size_t n) {
   return true;
 }
 
+long Futex(std::atomic<uint32_t>* word, int op, uint32_t val) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, nullptr, nullptr, 0);
+}
+
+// Waits until *word == want (FUTEX_WAIT while it differs).
+void AwaitValue(std::atomic<uint32_t>* word, uint32_t want) {
+  for (;;) {
+    const uint32_t v = word->load(std::memory_order_acquire);
+    if (v == want) return;
+    Futex(word, FUTEX_WAIT, v);
+  }
+}
+
+void FutexPingPong(const peers::Emitter& out, const peers::Plan& plan) {
+  void* page = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (page == MAP_FAILED) throw std::runtime_error("mmap");
+  auto* word = new (page) std::atomic<uint32_t>(0);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    peers::PinChild();
+    for (uint32_t k = 1;; k += 2) {  // parent writes odd values, the child answers k + 1
+      AwaitValue(word, k);
+      word->store(k + 1, std::memory_order_release);
+      Futex(word, FUTEX_WAKE, 1);
+    }
+  }
+  uint32_t k = 1;
+  auto samples = peers::Measure(plan, [&](int) {
+    const auto t0 = Clock::now();
+    word->store(k, std::memory_order_release);
+    Futex(word, FUTEX_WAKE, 1);
+    AwaitValue(word, k + 1);
+    k += 2;
+    return Us(Clock::now() - t0);
+  });
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  munmap(page, 4096);
+  out.Samples("floor_futex_pingpong", "", 0, plan, samples);
+}
+
 void PingPong(const peers::Emitter& out, const peers::Plan& plan) {
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) throw std::runtime_error("socketpair");
   const pid_t pid = fork();
   if (pid == 0) {
+    peers::PinChild();
     close(sv[0]);
     char buf[kMsg];
     while (ReadFull(sv[1], buf, kMsg)) {
@@ -108,6 +163,10 @@ int main(int argc, char** argv) {
   if (args.Wants("floor_pingpong")) {
     out.Guard("floor_pingpong", "64 B",
               [&] { PingPong(out, peers::PlanFor(plans, "floor_pingpong")); });
+  }
+  if (args.Wants("floor_futex_pingpong")) {
+    out.Guard("floor_futex_pingpong", "",
+              [&] { FutexPingPong(out, peers::PlanFor(plans, "floor_pingpong")); });
   }
   if (args.Wants("floor_fork")) {
     out.Guard("floor_fork", "", [&] { Fork(out, peers::PlanFor(plans, "floor_fork")); });

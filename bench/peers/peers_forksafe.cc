@@ -28,6 +28,7 @@
 
 #include "bench/peers/harness.h"
 #include "device/tensor.h"
+#include "mp/internal/shared_arena.h"  // stats only, for the breakdown of workload 2
 #include "mp/pool.h"
 #include "mp/process.h"
 #include "mp/queue.h"
@@ -57,6 +58,7 @@ Tensor Stop() { return Tensor::Empty({0}, DType::kFloat32, forksafe::device::kCP
 
 // Gets a tensor, writes t[1] = t[0] + 1 into the shared data, sends the same tensor back.
 void TensorEcho(Queue in, Queue out) {
+  peers::PinChild();
   for (;;) {
     Tensor t = in.get<Tensor>();
     if (t.numel() == 0) return;
@@ -92,6 +94,7 @@ void RoundTrip(const peers::Emitter& out, const peers::Plan& plan, int64_t bytes
 
 // Gets a tensor, acknowledges with t[0] + t[-1].
 void TensorAck(Queue in, Queue out) {
+  peers::PinChild();
   for (;;) {
     Tensor t = in.get<Tensor>();
     if (t.numel() == 0) return;
@@ -104,34 +107,71 @@ void FreshSend(const peers::Emitter& out, const peers::Plan& plan, int64_t bytes
   Queue to, from;
   Process p(kFork, &TensorAck, to, from);
   p.start();
+  const auto a0 = forksafe::mp::internal::SharedArena::Get().stats();
+  std::vector<double> share_us, put_us, ack_us;  // put() returns once the handle is queued
   auto samples = peers::Measure(plan, [&](int i) {
     // A fresh private tensor, filled (untimed): the timed part is put + the child's ack.
     Tensor t = Tensor::Full({n}, static_cast<double>(i));
     const auto t0 = Clock::now();
-    to.put(t);  // moves it into shared memory, sends the handle
+    // put() would move it into shared memory itself; done explicitly here only to time the two
+    // steps apart (the same work either way).
+    forksafe::mp::share_memory_(t);
+    const auto t1 = Clock::now();
+    to.put(t);  // sends the handle
+    const auto t2 = Clock::now();
     const double ack = from.get<double>();
-    const double us = Us(Clock::now() - t0);
+    const auto t3 = Clock::now();
     if (ack != 2.0 * i) throw std::runtime_error("fresh send: wrong acknowledgement");
-    return us;
+    if (i >= plan.warmup) {
+      share_us.push_back(Us(t1 - t0));
+      put_us.push_back(Us(t2 - t1));
+      ack_us.push_back(Us(t3 - t2));
+    }
+    return Us(t3 - t0);
   });
   to.put(Stop());
   p.join(10.0);
-  out.Samples("w2_fresh", peers::SizeName(bytes), bytes, plan, samples);
+  // How the sender's shared memory was served, over the warm-ups and the timed iterations.
+  const auto a = forksafe::mp::internal::SharedArena::Get().stats();
+  char arena[200];
+  snprintf(arena, sizeof arena,
+           "\"arena\": {\"blocks_allocated\": %llu, \"blocks_reused\": %llu, "
+           "\"segments_created\": %llu}",
+           static_cast<unsigned long long>(a.blocks_allocated - a0.blocks_allocated),
+           static_cast<unsigned long long>(a.blocks_reused - a0.blocks_reused),
+           static_cast<unsigned long long>(a.segments_created - a0.segments_created));
+  char phases[160];
+  snprintf(phases, sizeof phases,
+           "\"phases_us\": {\"share_memory_\": %.1f, \"put\": %.1f, \"until_ack\": %.1f}",
+           peers::Median(share_us), peers::Median(put_us), peers::Median(ack_us));
+  out.Samples("w2_fresh", peers::SizeName(bytes), bytes, plan, samples, {arena, phases});
 }
 
 // ---- 3. Pool(2).map of a reduction over tensors ----------------------------------------------
 
+// A vectorized sum (GCC vector extensions, 4 x 4 float lanes; SSE2 is the build's baseline), so
+// that the reduction is not slower than torch's and numpy's own kernels. Each lane sums at most
+// 2^16 values below 7, so float accumulation is exact here.
 double TensorSum(Tensor t) {
+  typedef float V4 __attribute__((vector_size(16)));
   const float* p = F32(t);
   const int64_t n = t.numel();
-  float acc[16] = {};
+  V4 a0 = {}, a1 = {}, a2 = {}, a3 = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    for (int j = 0; j < 16; ++j) acc[j] += p[i + j];
+    V4 x0, x1, x2, x3;
+    memcpy(&x0, p + i, 16);
+    memcpy(&x1, p + i + 4, 16);
+    memcpy(&x2, p + i + 8, 16);
+    memcpy(&x3, p + i + 12, 16);
+    a0 += x0;
+    a1 += x1;
+    a2 += x2;
+    a3 += x3;
   }
-  double total = 0;
+  const V4 s = (a0 + a1) + (a2 + a3);
+  double total = static_cast<double>(s[0]) + s[1] + s[2] + s[3];
   for (; i < n; ++i) total += p[i];
-  for (float a : acc) total += a;
   return total;
 }
 FORKSAFE_ENTRY_POINT(TensorSum);
@@ -276,13 +316,14 @@ int WaitBounded(pid_t pid, int timeout_ms) {
   return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
 }
 
-// The pool is the runtime's default pool (2 workers here), the analogue of torch's intra-op pool:
-// a busy thread runs parallel element-wise adds on it in a loop, as a thread calling torch.add
-// would, and the forking (main) thread has used it before.
+// The pool is the analogue of torch's intra-op pool after torch.set_num_threads(2): ParallelFor
+// runs on the calling thread plus the pool's one worker, a team of two as OpenMP's. A busy thread
+// runs parallel element-wise adds on it in a loop, as a thread calling torch.add would, and the
+// forking (main) thread has used it before.
 void BusyFork(const peers::Emitter& out, const peers::Plan& plan, bool child_uses_pool,
               const std::string& param, const std::string& workload) {
   using forksafe::runtime::ThreadPool;
-  ThreadPool& pool = ThreadPool::Default();
+  ThreadPool pool(forksafe::runtime::ThreadPoolOptions{1, "intra-op", std::chrono::milliseconds(2000)});
   constexpr int64_t kN = int64_t{1} << 20;
   std::vector<float> x(kN, 1.f), y(kN, 2.f), z(kN);
   auto add = [&](int64_t lo, int64_t hi) {
@@ -337,6 +378,7 @@ void BusyFork(const peers::Emitter& out, const peers::Plan& plan, bool child_use
 // ---- Breakdowns: where the time goes (docs/peers.md), measured with the same loop -------------
 
 void StringEcho(Queue in, Queue out) {
+  peers::PinChild();
   for (;;) {
     std::string s = in.get<std::string>();
     if (s.empty()) return;
@@ -447,17 +489,26 @@ void Spawn2BlockingJoin(const peers::Emitter& out, const peers::Plan& plan) {
   o.nprocs = 2;
   o.start_method = "fork";
   o.join = false;
-  auto samples = peers::Measure(plan, [&](int) {
+  std::vector<double> start, join;
+  auto samples = peers::Measure(plan, [&](int i) {
     const auto t0 = Clock::now();
     auto ctx = forksafe::mp::spawn(&Trivial, std::make_tuple(), o);
+    const auto t1 = Clock::now();
     for (auto& p : ctx->processes()) p.join();
-    const double us = Us(Clock::now() - t0);
+    const auto t2 = Clock::now();
     for (auto& p : ctx->processes()) {
       if (p.exitcode() != 0) throw std::runtime_error("spawn: a child failed");
     }
-    return us;
+    if (i >= plan.warmup) {
+      start.push_back(Us(t1 - t0));
+      join.push_back(Us(t2 - t1));
+    }
+    return Us(t2 - t0);
   });
-  out.Samples("bd_spawn_fork_blocking_join", "start=fork", 0, plan, samples);
+  char steps[120];
+  snprintf(steps, sizeof steps, "\"steps_us\": {\"start both\": %.1f, \"join both\": %.1f}",
+           peers::Median(start), peers::Median(join));
+  out.Samples("bd_spawn_fork_blocking_join", "start=fork", 0, plan, samples, {steps});
 }
 
 // Workload 4's failure with the parent blocked on the failing child (Process::join, pidfd), then
@@ -509,8 +560,44 @@ void SerialSum(const peers::Emitter& out, const peers::Plan& plan, int count, in
               plan, samples);
 }
 
+// A throw caught in-process: what a failing child pays before it reports (forksafe's throw hook
+// records the stack at every throw).
+void ThrowCatch(const peers::Emitter& out, const peers::Plan& plan) {
+  auto samples = peers::Measure(plan, [&](int i) {
+    const auto t0 = Clock::now();
+    std::string what;
+    try {
+      throw std::runtime_error("boom " + std::to_string(i));
+    } catch (const std::exception& e) {
+      what = e.what();
+    }
+    const double us = Us(Clock::now() - t0);
+    if (what.empty()) throw std::runtime_error("throw");
+    return us;
+  });
+  out.Samples("bd_throw", "", 0, plan, samples);
+}
+
+void SleepLong() { std::this_thread::sleep_for(std::chrono::seconds(30)); }
+
+// What spawn() does to the other process after a failure: terminate() (SIGTERM) + join().
+void TerminateJoin(const peers::Emitter& out, const peers::Plan& plan, const std::string& param) {
+  auto samples = peers::Measure(plan, [&](int) {
+    Process p(kFork, &SleepLong);
+    p.start();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // let it reach its sleep
+    const auto t0 = Clock::now();
+    p.terminate();
+    p.join();
+    const double us = Us(Clock::now() - t0);
+    if (p.exitcode() != -SIGTERM) throw std::runtime_error("terminate");
+    return us;
+  });
+  out.Samples("bd_terminate_join", param, 0, plan, samples);
+}
+
 // fork + _exit + waitpid through the runtime with its pools idle (never used in this process).
-void IdleFork(const peers::Emitter& out, const peers::Plan& plan) {
+void IdleFork(const peers::Emitter& out, const peers::Plan& plan, const std::string& param) {
   auto samples = peers::Measure(plan, [&](int) {
     const auto t0 = Clock::now();
     const pid_t pid = fork();
@@ -518,7 +605,7 @@ void IdleFork(const peers::Emitter& out, const peers::Plan& plan) {
     if (pid < 0 || WaitBounded(pid, 2000) != 0) throw std::runtime_error("fork");
     return Us(Clock::now() - t0);
   });
-  out.Samples("bd_fork_idle", "", 0, plan, samples);
+  out.Samples("bd_fork_idle", param, 0, plan, samples);
 }
 
 }  // namespace
@@ -533,11 +620,13 @@ int main(int argc, char** argv) {
 
   if (args.Wants("w1")) {
     for (int64_t b : peers::kSizes) {
+      if (!args.WantsSize(b)) continue;
       out.Guard("w1_roundtrip", peers::SizeName(b), [&] { RoundTrip(out, plan("w1_roundtrip"), b); });
     }
   }
   if (args.Wants("w2")) {
     for (int64_t b : peers::kSizes) {
+      if (!args.WantsSize(b)) continue;
       out.Guard("w2_fresh", peers::SizeName(b), [&] { FreshSend(out, plan("w2_fresh"), b); });
     }
   }
@@ -572,7 +661,9 @@ int main(int argc, char** argv) {
               [&] { Spawn2BlockingJoin(out, plan("w4_spawn_fork")); });
     out.Guard("bd_failure_blocking_join", "start=fork",
               [&] { FailureBlockingJoin(out, plan("w4_failure")); });
-    out.Guard("bd_fork_idle", "", [&] { IdleFork(out, plan("floor_fork")); });
+    out.Guard("bd_throw", "", [&] { ThrowCatch(out, plan("floor_fork")); });
+    out.Guard("bd_terminate_join", "", [&] { TerminateJoin(out, plan("w4_failure"), ""); });
+    out.Guard("bd_fork_idle", "", [&] { IdleFork(out, plan("floor_fork"), ""); });
     out.Guard("bd_busy_fork_child_exits", "", [&] {
       BusyFork(out, plan("w6_busy_fork"), false, "", "bd_busy_fork_child_exits");
     });

@@ -43,6 +43,7 @@ def attach(name, n, cache):
 
 
 def shm_echo(inq, outq):
+    peerlib.pin_child()
     cache = {}
     while True:
         m = inq.get()
@@ -90,6 +91,7 @@ def round_trip(out, plan, nbytes):
 # ---- 2. Queue send of fresh arrays -----------------------------------------------------------------
 
 def array_ack(inq, outq):
+    peerlib.pin_child()
     while True:
         a = inq.get()
         if a is None:
@@ -147,6 +149,18 @@ def pool_map(out, plan, count, nbytes):
         pool.join()
     out.samples("w3_poolmap", "%d x %s" % (count, peerlib.size_name(nbytes)), nbytes, plan,
                 samples, tasks=count)
+
+    # The reductions alone, serially in this process (for the breakdown of workload 3).
+    def serial(i):
+        t0 = now_us()
+        sums = [array_sum(x) for x in inputs]
+        us = now_us() - t0
+        if sums != expected:
+            raise RuntimeError("serial sums: wrong")
+        return us
+
+    out.samples("bd_sum_serial", "%d x %s" % (count, peerlib.size_name(nbytes)), nbytes, plan,
+                peerlib.measure(plan, serial))
 
 
 # ---- 4. two processes end to end, and a child's failure to the parent's error ---------------------

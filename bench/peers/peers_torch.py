@@ -26,6 +26,7 @@ SYSTEM = "torch"
 # ---- 1. Queue round trip of an already-shared tensor ---------------------------------------------
 
 def tensor_echo(inq, outq):
+    peerlib.pin_child()
     while True:
         t = inq.get()
         if t is None:
@@ -62,6 +63,7 @@ def round_trip(out, plan, nbytes):
 # ---- 2. Queue send of fresh tensors ----------------------------------------------------------------
 
 def tensor_ack(inq, outq):
+    peerlib.pin_child()
     while True:
         t = inq.get()
         if t is None:
@@ -120,6 +122,18 @@ def pool_map(out, plan, count, nbytes):
         pool.join()
     out.samples("w3_poolmap", "%d x %s" % (count, peerlib.size_name(nbytes)), nbytes, plan,
                 samples, tasks=count)
+
+    # The reductions alone, serially in this process (for the breakdown of workload 3).
+    def serial(i):
+        t0 = now_us()
+        sums = [tensor_sum(x) for x in inputs]
+        us = now_us() - t0
+        if sums != expected:
+            raise RuntimeError("serial sums: wrong")
+        return us
+
+    out.samples("bd_sum_serial", "%d x %s" % (count, peerlib.size_name(nbytes)), nbytes, plan,
+                peerlib.measure(plan, serial))
 
 
 # ---- 4. spawn(nprocs=2), and a child's failure to the parent's error ------------------------------
