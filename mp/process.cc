@@ -418,6 +418,11 @@ void Process::close() {
   p.state = Impl::State::kClosed;
 }
 
+int Process::wait_fd() const {
+  if (impl_->state != Impl::State::kStarted) return -1;
+  return impl_->method == "forkserver" ? impl_->result.fileno() : impl_->pidfd.get();
+}
+
 const std::string& Process::name() const { return impl_->options.name; }
 bool Process::daemon() const { return impl_->options.daemon; }
 std::string Process::start_method() const {

@@ -155,6 +155,11 @@ class Process {
   /// The exception the target threw, once the process exited (nullopt if it did not throw).
   std::optional<ChildFailure> failure();
 
+  /// A descriptor that becomes readable when the process exits (a pidfd for fork and spawn, the
+  /// report channel for forkserver), for poll()ing many processes at once; -1 when there is
+  /// none (kernels without pidfds). Owned by the Process.
+  int wait_fd() const;
+
   struct Impl;
 
  private:

@@ -1,5 +1,6 @@
 #include "mp/spawn.h"
 
+#include <poll.h>
 #include <sys/wait.h>
 
 #include <thread>
@@ -119,8 +120,30 @@ bool ProcessContext::join(Timeout timeout) {
     }
     if (all_done) return true;
     if (deadline.has_value() && internal::Clock::now() >= *deadline) return false;
-    std::this_thread::sleep_for(sleep);
-    if (sleep < std::chrono::milliseconds(2)) sleep *= 2;
+    // Sleep until one of them exits (or reports), not for a fixed time.
+    std::vector<pollfd> fds;
+    bool all_pollable = true;
+    for (size_t i = 0; i < processes_.size(); ++i) {
+      if (done_[i]) continue;
+      const int fd = processes_[i].wait_fd();
+      if (fd < 0) {
+        all_pollable = false;
+        continue;
+      }
+      fds.push_back(pollfd{fd, POLLIN, 0});
+    }
+    int ms = 100;
+    if (deadline.has_value()) {
+      ms = std::min<int64_t>(
+          ms, std::chrono::ceil<std::chrono::milliseconds>(*deadline - internal::Clock::now()).count());
+      ms = std::max(ms, 0);
+    }
+    if (all_pollable && !fds.empty()) {
+      ::poll(fds.data(), fds.size(), ms);
+    } else {
+      std::this_thread::sleep_for(sleep);
+      if (sleep < std::chrono::milliseconds(2)) sleep *= 2;
+    }
   }
 }
 
