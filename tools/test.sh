@@ -2,16 +2,32 @@
 # Runs the whole test suite: installs what is missing, then `bazel test //...`, then prints a
 # summary line "N passed, N failed, N skipped" counted over GoogleTest cases.
 #   bash tools/test.sh [extra bazel flags, e.g. --config=asan]
+# With FORKSAFE_SANITIZERS="asan ubsan" the suite runs again under each of those configurations
+# and the summary line counts every run (CI does this).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh || exit 1
 
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-bazel test --keep_going "$@" //... 2>&1 | grep -v "linux-sandbox" | tee "$log"
-status=${PIPESTATUS[0]}
-
 passed=0; failed=0; skipped=0
+status=0
+
+# Runs the suite once with the given flags and adds its GoogleTest counts to the totals.
+run_suite() {
+  echo "=== bazel test $* //..."
+  bazel test --keep_going "$@" //... 2>&1 | grep -v "linux-sandbox" | tee "$log"
+  local run_status=${PIPESTATUS[0]}
+  [ "$run_status" -ne 0 ] && status=$run_status
+  local before_passed=$passed before_failed=$failed
+  count_results
+  if [ "$passed" -eq "$before_passed" ] && [ "$failed" -eq "$before_failed" ] &&
+     [ "$run_status" -ne 0 ]; then
+    failed=$((failed + 1))  # the build itself failed before any test ran
+  fi
+}
+
+count_results() {
 testlogs="$(bazel info bazel-testlogs 2>/dev/null)"
 # One line per test target: "//pkg:name   PASSED in 0.1s" (or FAILED, TIMEOUT, ...).
 while read -r target result _; do
@@ -37,10 +53,12 @@ while read -r target result _; do
   passed=$((passed + t - f - s)); failed=$((failed + f)); skipped=$((skipped + s))
 done < <(grep -E '^//[^ ]+ +(\(cached\) +)?(PASSED|FAILED|TIMEOUT|FLAKY|INCOMPLETE|NO STATUS|FAILED TO BUILD)' "$log" \
          | sed -E 's/\(cached\) +//; s/FAILED TO BUILD/FAILED_TO_BUILD/; s/NO STATUS/NO/')
+}
 
-if [ "$passed" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$status" -ne 0 ]; then
-  failed=1  # the build itself failed before any test ran
-fi
+run_suite "$@"
+for config in ${FORKSAFE_SANITIZERS:-}; do
+  run_suite --config="$config" "$@"
+done
 
 # Nothing may be left in /dev/shm by the tests (named segments of the file_system strategy whose
 # creator is gone). Give the shm managers a moment to finish, then count what remains.
