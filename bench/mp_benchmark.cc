@@ -63,35 +63,45 @@ void PipeEcho(Connection c) {
 }
 FORKSAFE_ENTRY_POINT(PipeEcho);
 
-void BM_BarePingPong(benchmark::State& state) {
+// Reads exactly kMsg bytes; false at end-of-stream or on error.
+bool ReadMsg(int fd, char* buf) {
+  for (size_t got = 0; got < kMsg;) {
+    const ssize_t n = read(fd, buf + got, kMsg - got);
+    if (n <= 0) return false;
+    got += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// Forks a raw echo process on a socketpair (no forksafe code on its path); *sock is our end.
+pid_t StartBareEcho(int* sock) {
   int sv[2];
   socketpair(AF_UNIX, SOCK_STREAM, 0, sv);
   const pid_t pid = fork();
   if (pid == 0) {
     close(sv[0]);
     char buf[kMsg];
-    for (;;) {
-      size_t got = 0;
-      while (got < kMsg) {
-        const ssize_t n = read(sv[1], buf + got, kMsg - got);
-        if (n <= 0) _exit(0);
-        got += static_cast<size_t>(n);
-      }
+    while (ReadMsg(sv[1], buf)) {
       if (write(sv[1], buf, kMsg) != kMsg) _exit(1);
     }
+    _exit(0);
   }
   close(sv[1]);
+  *sock = sv[0];
+  return pid;
+}
+
+// One bare ping-pong of kMsg bytes.
+bool BarePing(int sock, char* buf) { return write(sock, buf, kMsg) == kMsg && ReadMsg(sock, buf); }
+
+void BM_BarePingPong(benchmark::State& state) {
+  int sock = -1;
+  const pid_t pid = StartBareEcho(&sock);
   char buf[kMsg] = {};
   for (auto _ : state) {
-    if (write(sv[0], buf, kMsg) != kMsg) state.SkipWithError("write");
-    size_t got = 0;
-    while (got < kMsg) {
-      const ssize_t n = read(sv[0], buf + got, kMsg - got);
-      if (n <= 0) break;
-      got += static_cast<size_t>(n);
-    }
+    if (!BarePing(sock, buf)) state.SkipWithError("bare ping-pong failed");
   }
-  close(sv[0]);
+  close(sock);
   waitpid(pid, nullptr, 0);
 }
 BENCHMARK(BM_BarePingPong)->UseRealTime()->MinTime(0.5)->Repetitions(3);
@@ -242,23 +252,8 @@ BENCHMARK(BM_PoolMapTensors)
 // taken in the same iteration mean anything. Counters: mean microseconds of each, and the ratios
 // to the bare ping-pong.
 void BM_PairedRoundTrips(benchmark::State& state) {
-  int sv[2];
-  socketpair(AF_UNIX, SOCK_STREAM, 0, sv);
-  const pid_t bare_pid = fork();
-  if (bare_pid == 0) {
-    close(sv[0]);
-    char buf[kMsg];
-    for (;;) {
-      size_t got = 0;
-      while (got < kMsg) {
-        const ssize_t n = read(sv[1], buf + got, kMsg - got);
-        if (n <= 0) _exit(0);
-        got += static_cast<size_t>(n);
-      }
-      if (write(sv[1], buf, kMsg) != kMsg) _exit(1);
-    }
-  }
-  close(sv[1]);
+  int sock = -1;
+  const pid_t bare_pid = StartBareEcho(&sock);
   Queue q_to, q_from, t_to, t_from;
   Process qecho(ProcessOptions{"", false, "fork"}, &QueueEcho, q_to, q_from);
   Process techo(ProcessOptions{"", false, "fork"}, &TensorEcho, t_to, t_from);
@@ -273,12 +268,7 @@ void BM_PairedRoundTrips(benchmark::State& state) {
   char buf[kMsg] = {};
   for (auto _ : state) {
     auto a = Clock::now();
-    if (write(sv[0], buf, kMsg) != kMsg) state.SkipWithError("write");
-    for (size_t got = 0; got < kMsg;) {
-      const ssize_t n = read(sv[0], buf + got, kMsg - got);
-      if (n <= 0) break;
-      got += static_cast<size_t>(n);
-    }
+    if (!BarePing(sock, buf)) state.SkipWithError("bare ping-pong failed");
     auto b = Clock::now();
     t_bare += std::chrono::duration<double, std::micro>(b - a).count();
     q_to.put(msg);
@@ -305,7 +295,7 @@ void BM_PairedRoundTrips(benchmark::State& state) {
                                            forksafe::device::kCPU));
   qecho.join(10.0);
   techo.join(10.0);
-  close(sv[0]);
+  close(sock);
   waitpid(bare_pid, nullptr, 0);
 }
 BENCHMARK(BM_PairedRoundTrips)->UseRealTime()->MinTime(1.0)->Repetitions(5);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "mp/internal/scm_rights.h"
 #include "mp/internal/shm_sync.h"
 #include "runtime/error.h"
 
@@ -42,16 +43,7 @@ void SendAll(int sock, const char* data, size_t len, const std::vector<int>& fds
     msghdr mh{};
     mh.msg_iov = &iov;
     mh.msg_iovlen = 1;
-    if (!fds_sent) {
-      cbuf.assign(CMSG_SPACE(sizeof(int) * fds.size()), 0);
-      mh.msg_control = cbuf.data();
-      mh.msg_controllen = cbuf.size();
-      cmsghdr* c = CMSG_FIRSTHDR(&mh);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-      std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
-    }
+    if (!fds_sent) internal::AttachDescriptors(mh, cbuf, fds);
     const ssize_t n = sendmsg(sock, &mh, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -85,13 +77,7 @@ bool RecvAll(int sock, char* data, size_t len, std::vector<FileDescriptor>* fds)
       if (errno == ECONNRESET) ThrowPeerClosed("recv");
       runtime::ThrowSystemError("recv on a connection", errno);
     }
-    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-        const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        const int* p = reinterpret_cast<const int*>(CMSG_DATA(c));
-        for (size_t i = 0; i < count; ++i) fds->emplace_back(p[i]);
-      }
-    }
+    internal::CollectDescriptors(mh, fds);
     if (n == 0) {
       if (off == 0) return false;
       throw Error(ErrorCode::kClosed,

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "mp/internal/scm_rights.h"
 #include "mp/internal/shm_sync.h"
 
 namespace forksafe::mp {
@@ -82,17 +83,11 @@ void RingRead(const char* ring, uint64_t cap, uint64_t pos, void* dst, size_t n)
 // Sends `fds` tagged with `seq` on the side socket without blocking. Returns false on EAGAIN.
 bool SendFds(int sock, uint64_t seq, const std::vector<int>& fds) {
   iovec iov{&seq, sizeof(seq)};
-  std::vector<char> cbuf(CMSG_SPACE(sizeof(int) * fds.size()), 0);
+  std::vector<char> cbuf;
   msghdr mh{};
   mh.msg_iov = &iov;
   mh.msg_iovlen = 1;
-  mh.msg_control = cbuf.data();
-  mh.msg_controllen = cbuf.size();
-  cmsghdr* c = CMSG_FIRSTHDR(&mh);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-  std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+  internal::AttachDescriptors(mh, cbuf, fds);
   for (;;) {
     const ssize_t n = sendmsg(sock, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (n == sizeof(seq)) return true;
@@ -139,13 +134,7 @@ std::vector<FileDescriptor> RecvFds(int sock, uint64_t seq) {
       throw Error(ErrorCode::kInternal, "queue: the descriptor channel broke");
     }
     std::vector<FileDescriptor> fds;
-    for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-        const size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        const int* p = reinterpret_cast<const int*>(CMSG_DATA(c));
-        for (size_t i = 0; i < k; ++i) fds.emplace_back(p[i]);
-      }
-    }
+    internal::CollectDescriptors(mh, &fds);
     if (got == seq) return fds;
     // An orphaned batch (got < seq): close it and read on.
   }

@@ -111,7 +111,6 @@ device::Tensor& share_memory_(device::Tensor& tensor) {
 }
 
 device::Tensor SharedEmpty(const std::vector<int64_t>& shape, device::DType dtype) {
-  device::Tensor probe = device::Tensor::FromStorage(device::Storage(), dtype, {0});
   int64_t n = 1;
   for (int64_t d : shape) {
     if (d < 0) {
@@ -119,7 +118,7 @@ device::Tensor SharedEmpty(const std::vector<int64_t>& shape, device::DType dtyp
     }
     n *= d;
   }
-  const size_t bytes = static_cast<size_t>(n) * probe.element_size();
+  const size_t bytes = static_cast<size_t>(n) * device::DTypeSize(dtype);
   auto block = internal::SharedArena::Get().Allocate(bytes, Kind(), g_cache.load());
   device::Storage s = device::Storage::FromExternal(device::kCPU, block->data(), bytes,
                                                     [keep = block](void*) mutable { keep.reset(); });
