@@ -25,6 +25,16 @@
 //   oneTBB algorithms from forksafe pool workers (ThreadPool::Submit) or from the thread that
 //   forks: the pool's drain joins its workers, which drops their references, so oneTBB is
 //   quiesced on every fork (300 of 300 in tests/device/fork_storm_test).
+//
+// Hazard: a thread outside forksafe that *starts* using oneTBB during a fork
+//   finalize() runs in prepare; fork() happens a moment later. A foreign thread that makes its
+//   first oneTBB call in that window initializes oneTBB's scheduler concurrently with the fork,
+//   and the child can inherit oneTBB's internal spin locks held: its first parallel algorithm
+//   then spins forever. forksafe cannot see that window (oneTBB has no fork hooks and no public
+//   "is initializing" query). A foreign thread that is already inside oneTBB is safe: finalize
+//   is refused and the child is told TbbUsableInThisProcess()==false. Found by CI: a test that
+//   forked right after starting such a thread hung 14 times in 40 runs; it now waits until the
+//   thread's first algorithm finished (tests/runtime/tbb_fork_test.cc).
 #ifndef FORKSAFE_RUNTIME_TBB_FORK_H_
 #define FORKSAFE_RUNTIME_TBB_FORK_H_
 

@@ -55,6 +55,17 @@ TEST(TbbForkTest, ForkWhileAForeignThreadRunsParallelAlgorithms) {
       ++rounds;
     }
   });
+  // The foreign thread must be inside oneTBB before the first fork: a thread that *starts* using
+  // oneTBB while another forks is the hazard documented in runtime/tbb_fork.h, not this case.
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (rounds.load() == 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  if (rounds.load() == 0) {
+    stop = true;
+    busy.join();
+    FAIL() << "the foreign thread never finished a parallel_reduce within 30 s";
+  }
   int ok = 0;
   for (int i = 0; i < 20; ++i) {
     auto child = RunInChild([] {
