@@ -26,7 +26,7 @@ namespace internal {
 // The shared header at the start of a queue's segment; the ring follows it.
 struct QueueShared {
   RobustMutex mu;
-  SharedCond not_empty;
+  uint32_t get_sleepers;  // getters asleep on the bell (an upper bound: a dead one inflates it)
   SharedCond not_full;
   SharedCond all_done;
   uint64_t ring_bytes;
@@ -40,7 +40,7 @@ struct QueueShared {
   uint64_t magic;
 };
 
-constexpr uint64_t kQueueMagic = 0x6673717565756531ull;  // "fsqueue1"
+constexpr uint64_t kQueueMagic = 0x6673717565756532ull;  // "fsqueue2"
 constexpr uint32_t kSpilled = 1u << 31;                 // record flag: payload is out of band
 
 struct RecordHeader {
@@ -55,6 +55,8 @@ struct Queue::State {
   internal::SharedSegment seg;
   FileDescriptor fd_w;  // side socket: descriptors in
   FileDescriptor fd_r;  // side socket: descriptors out
+  FileDescriptor bell_r;  // doorbell pipe, read end: an empty queue's getters sleep on it
+  FileDescriptor bell_w;  // doorbell pipe, write end: a put rings it when getters sleep
   std::mutex close_mu;
   bool closed = false;
 
@@ -174,6 +176,53 @@ std::string ReadMemfd(int fd) {
   return out;
 }
 
+// The doorbell. A getter that finds the queue empty sleeps in poll() on a pipe rather than on a
+// futex: a pipe write wakes its reader with the kernel's "synchronous wake-up" hint, so the
+// scheduler may run the woken getter on the putter's CPU, which is about to sleep anyway. A futex
+// wake carries no such hint; across two vCPUs the getter was woken on an idle vCPU, and a queue
+// round trip cost 1.3-3x a bare socket ping-pong instead of ~1x (docs/performance.md).
+//
+// Protocol: a getter counts itself in `get_sleepers` under the lock, unlocks and polls; a putter
+// rings (writes a byte) after committing and unlocking when it sees a sleeper. The pipe keeps the
+// byte, so a ring between the getter's unlock and its poll is not lost. A woken getter drains
+// every byte; if messages remain and other getters sleep, the getter that took one rings again
+// (passing the baton), so draining never strands a sleeper.
+void RingBell(int bell_w) {
+  const char b = 1;
+  for (;;) {
+    const ssize_t n = ::write(bell_w, &b, 1);
+    if (n == 1) return;
+    if (n < 0 && errno == EINTR) continue;
+    // EAGAIN: the pipe is full of unconsumed rings, so sleepers wake anyway.
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    runtime::ThrowSystemError("queue: ringing the doorbell", n < 0 ? errno : EIO);
+  }
+}
+
+// Called and returns with the queue's lock held. Returns after a ring, a signal or the deadline.
+void SleepOnBell(internal::QueueShared* h, int bell_r, internal::Deadline deadline) {
+  timespec ts{};
+  timespec* rel = nullptr;
+  if (deadline.has_value()) {
+    const auto left = *deadline - internal::Clock::now();
+    if (left <= internal::Clock::duration::zero()) return;
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+    ts.tv_sec = static_cast<time_t>(ns / 1000000000);
+    ts.tv_nsec = static_cast<long>(ns % 1000000000);
+    rel = &ts;
+  }
+  __atomic_add_fetch(&h->get_sleepers, 1, __ATOMIC_ACQ_REL);
+  h->mu.Unlock();
+  pollfd p{bell_r, POLLIN, 0};
+  if (::ppoll(&p, 1, rel, nullptr) > 0) {
+    char buf[256];
+    while (::read(bell_r, buf, sizeof(buf)) == static_cast<ssize_t>(sizeof(buf))) {
+    }
+  }
+  __atomic_sub_fetch(&h->get_sleepers, 1, __ATOMIC_ACQ_REL);
+  h->mu.Lock();  // a recovered lock (owner died) is fine: see QueueLock
+}
+
 // Holds the queue's shared mutex; a recovered lock (owner died) is fine: see the file comment.
 class QueueLock {
  public:
@@ -207,7 +256,7 @@ Queue::Queue(const QueueOptions& options) : state_(std::make_shared<State>()) {
   state_->seg = internal::SharedSegment::Create(sizeof(internal::QueueShared) + ring, "queue");
   internal::QueueShared* h = state_->hdr();
   h->mu.Init();
-  h->not_empty.Init();
+  h->get_sleepers = 0;
   h->not_full.Init();
   h->all_done.Init();
   h->ring_bytes = ring;
@@ -221,6 +270,10 @@ Queue::Queue(const QueueOptions& options) : state_(std::make_shared<State>()) {
   }
   state_->fd_w.reset(sv[0]);
   state_->fd_r.reset(sv[1]);
+  int bell[2];
+  if (pipe2(bell, O_CLOEXEC | O_NONBLOCK) != 0) runtime::ThrowSystemError("pipe2 for a queue", errno);
+  state_->bell_r.reset(bell[0]);
+  state_->bell_w.reset(bell[1]);
 }
 
 Queue::State& Queue::Live(const char* what) const {
@@ -278,8 +331,9 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
       h->head += need;  // commit
       ++h->count;
       ++h->unfinished;
+      const bool ring = __atomic_load_n(&h->get_sleepers, __ATOMIC_ACQUIRE) > 0;
       lock.Release();
-      h->not_empty.Signal();  // after unlocking: the woken reader takes the lock at once
+      if (ring) RingBell(s.bell_w.get());  // after unlocking: the woken getter locks at once
       return;
     }
     if (need > cap) {
@@ -310,7 +364,7 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
         throw Empty(block ? absl::StrCat("Queue::get: nothing arrived within ", timeout->count(), " s")
                           : std::string("Queue::get_nowait: the queue is empty"));
       }
-      h->not_empty.Wait(h->mu, deadline);
+      SleepOnBell(h, s.bell_r.get(), deadline);
     }
     RingRead(s.ring(), cap, h->tail, &rec, sizeof(rec));
     spilled = (rec.nfds & internal::kSpilled) != 0;
@@ -337,7 +391,9 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
   }
   h->tail += RoundUp8(sizeof(rec) + rec.length);  // commit
   --h->count;
+  const bool pass_baton = h->count > 0 && __atomic_load_n(&h->get_sleepers, __ATOMIC_ACQUIRE) > 0;
   lock.Release();
+  if (pass_baton) RingBell(s.bell_w.get());
   h->not_full.Broadcast();
   if (spilled) {
     if (msg.fds.empty()) throw Error(ErrorCode::kInternal, "Queue::get: out-of-band item lost");
@@ -393,7 +449,7 @@ bool JoinableQueue::join(Timeout timeout) {
 namespace internal {
 
 void SaveQueue(const std::shared_ptr<void>& state, FileDescriptor* seg, FileDescriptor* fd_w,
-               FileDescriptor* fd_r) {
+               FileDescriptor* fd_r, FileDescriptor* bell_r, FileDescriptor* bell_w) {
   auto* s = static_cast<Queue::State*>(state.get());
   if (s == nullptr || s->closed) {
     throw Error(ErrorCode::kClosed, "a closed queue cannot be sent to another process");
@@ -401,9 +457,12 @@ void SaveQueue(const std::shared_ptr<void>& state, FileDescriptor* seg, FileDesc
   *seg = FileDescriptor::Dup(s->seg.fd());
   *fd_w = FileDescriptor::Dup(s->fd_w.get());
   *fd_r = FileDescriptor::Dup(s->fd_r.get());
+  *bell_r = FileDescriptor::Dup(s->bell_r.get());
+  *bell_w = FileDescriptor::Dup(s->bell_w.get());
 }
 
-std::shared_ptr<void> LoadQueue(FileDescriptor seg, FileDescriptor fd_w, FileDescriptor fd_r) {
+std::shared_ptr<void> LoadQueue(FileDescriptor seg, FileDescriptor fd_w, FileDescriptor fd_r,
+                                FileDescriptor bell_r, FileDescriptor bell_w) {
   auto s = std::make_shared<Queue::State>();
   s->seg = SharedSegment::Map(std::move(seg));
   if (s->seg.size() < sizeof(QueueShared) + 4096 || s->hdr()->magic != kQueueMagic ||
@@ -412,6 +471,11 @@ std::shared_ptr<void> LoadQueue(FileDescriptor seg, FileDescriptor fd_w, FileDes
   }
   s->fd_w = std::move(fd_w);
   s->fd_r = std::move(fd_r);
+  if (!bell_r || !bell_w) {
+    throw Error(ErrorCode::kInvalidArgument, "malformed message: a queue without its doorbell");
+  }
+  s->bell_r = std::move(bell_r);
+  s->bell_w = std::move(bell_w);
   return s;
 }
 

@@ -9,8 +9,10 @@
 //
 // How it works
 //   One shared-memory segment holds a ring buffer of framed messages plus a robust, process-shared
-//   mutex and condition variables; descriptors travel on a side socket, tagged with the sequence
-//   number of their message. Messages larger than a quarter of the ring go out of band, in an
+//   mutex; getters that find it empty sleep on a doorbell pipe that a put rings (a pipe wake-up
+//   lets the scheduler run the getter on the putter's CPU; a futex wake-up does not — see
+//   docs/performance.md); putters waiting for room sleep on a futex. Descriptors travel on a side
+//   socket, tagged with the sequence number of their message. Messages larger than a quarter of the ring go out of band, in an
 //   anonymous memory file passed as a descriptor, so no message is too big and big messages never
 //   wait for ring space.
 //
@@ -172,22 +174,24 @@ class JoinableQueue : public Queue {
 // ---- serialization --------------------------------------------------------------------------
 namespace internal {
 void SaveQueue(const std::shared_ptr<void>& state, FileDescriptor* seg, FileDescriptor* fd_w,
-               FileDescriptor* fd_r);
-std::shared_ptr<void> LoadQueue(FileDescriptor seg, FileDescriptor fd_w, FileDescriptor fd_r);
+               FileDescriptor* fd_r, FileDescriptor* bell_r, FileDescriptor* bell_w);
+std::shared_ptr<void> LoadQueue(FileDescriptor seg, FileDescriptor fd_w, FileDescriptor fd_r,
+                                FileDescriptor bell_r, FileDescriptor bell_w);
 }  // namespace internal
 
 template <class Archive>
 void Queue::save(Archive& ar) const {
-  FileDescriptor seg, w, r;
-  internal::SaveQueue(std::static_pointer_cast<void>(state_), &seg, &w, &r);
-  ar(seg, w, r);
+  FileDescriptor seg, w, r, bell_r, bell_w;
+  internal::SaveQueue(std::static_pointer_cast<void>(state_), &seg, &w, &r, &bell_r, &bell_w);
+  ar(seg, w, r, bell_r, bell_w);
 }
 
 template <class Archive>
 void Queue::load(Archive& ar) {
-  FileDescriptor seg, w, r;
-  ar(seg, w, r);
-  state_ = std::static_pointer_cast<State>(internal::LoadQueue(std::move(seg), std::move(w), std::move(r)));
+  FileDescriptor seg, w, r, bell_r, bell_w;
+  ar(seg, w, r, bell_r, bell_w);
+  state_ = std::static_pointer_cast<State>(internal::LoadQueue(
+      std::move(seg), std::move(w), std::move(r), std::move(bell_r), std::move(bell_w)));
 }
 
 }  // namespace forksafe::mp

@@ -97,6 +97,22 @@ TEST(QueueTest, ManyItemsInOneProcessBeyondTheRing) {
   producer.join();
 }
 
+// Like Consume, but a getter left asleep with items in the queue (a lost doorbell ring) fails
+// the child: its get() would return only when its 10 s timeout expires and it rechecks the
+// queue, while the whole exchange takes ~0.1 s; any get() slower than 5 s exits with code 3.
+void ConsumeImpatiently(Queue q, Queue results) {
+  std::vector<std::pair<int, int>> got;
+  for (;;) {
+    const auto start = std::chrono::steady_clock::now();
+    auto item = q.get<std::pair<int, int>>(true, 10.0);
+    if (std::chrono::steady_clock::now() - start > 5s) _exit(3);
+    if (item.first < 0) break;
+    got.push_back(item);
+  }
+  results.put(got);
+}
+FORKSAFE_ENTRY_POINT(ConsumeImpatiently);
+
 class QueueAcrossProcesses : public ::testing::TestWithParam<std::string> {
  protected:
   ProcessOptions Opt() { return ProcessOptions{"", false, GetParam()}; }
@@ -132,6 +148,36 @@ TEST_P(QueueAcrossProcesses, ManyProducersManyConsumersNoLossNoDuplicate) {
   EXPECT_EQ(total, size_t{producers * per}) << "lost or duplicated messages";
   EXPECT_EQ(all.size(), size_t{producers * per});
   EXPECT_TRUE(q.empty());
+}
+
+// Getters that find the queue empty sleep on the doorbell. Bursts of 1..7 items with pauses in
+// between put every getter to sleep again and again; each burst must wake enough of them, and
+// a getter that drained several rings must pass the baton to the others.
+TEST_P(QueueAcrossProcesses, BurstsWakeEverySleepingGetter) {
+  Queue q, results;
+  const int consumers = 4, bursts = 60;
+  std::vector<Process> ps;
+  for (int c = 0; c < consumers; ++c) ps.emplace_back(Opt(), &ConsumeImpatiently, q, results);
+  for (Process& p : ps) p.start();
+  int n = 0;
+  for (int b = 0; b < bursts; ++b) {
+    for (int k = 0; k < 1 + b % 7; ++k) q.put(std::make_pair(0, n++));
+    std::this_thread::sleep_for(std::chrono::microseconds(200 + 300 * (b % 5)));
+  }
+  for (int c = 0; c < consumers; ++c) q.put(std::make_pair(-1, -1));
+  std::set<int> all;
+  size_t total = 0;
+  for (int c = 0; c < consumers; ++c) {
+    auto got = results.get<std::vector<std::pair<int, int>>>(true, 20.0);
+    total += got.size();
+    for (auto& item : got) all.insert(item.second);
+  }
+  for (Process& p : ps) {
+    ASSERT_TRUE(p.join(30s));
+    EXPECT_EQ(p.exitcode(), 0) << "a getter slept through a put: a doorbell ring was lost";
+  }
+  EXPECT_EQ(total, static_cast<size_t>(n));
+  EXPECT_EQ(all.size(), static_cast<size_t>(n));
 }
 
 TEST_P(QueueAcrossProcesses, BigItemsDescriptorsAndForwarding) {
@@ -204,6 +250,33 @@ TEST(QueueFaultTest, AProducerKilledMidStreamDoesNotWedgeTheQueue) {
     q.put(std::vector<int>(8, -5), true, 5.0);
     EXPECT_EQ(q.get<std::vector<int>>(true, 5.0)[0], -5);
   }
+}
+
+// A getter killed while asleep leaves a stale sleeper count behind: every later put rings the
+// doorbell for nobody. The queue must keep working, in this process and in others, and a
+// sleeping getter must still be woken.
+TEST(QueueFaultTest, AGetterKilledWhileAsleepLeavesTheQueueWorking) {
+  Queue q, back;
+  for (int round = 0; round < 3; ++round) {
+    Process sleeper(ProcessOptions{"", false, "fork"}, [q]() mutable { q.get<int>(true, 30.0); });
+    sleeper.start();
+    std::this_thread::sleep_for(50ms);
+    sleeper.kill();
+    ASSERT_TRUE(sleeper.join(10s));
+  }
+  for (int i = 0; i < 3000; ++i) q.put(i);  // each rings for the dead sleepers; the pipe fills
+  for (int i = 0; i < 3000; ++i) ASSERT_EQ(q.get<int>(true, 5.0), i);
+  Process echo(ProcessOptions{"", false, "fork"}, [q, back]() mutable {
+    for (int i = 0; i < 100; ++i) back.put(q.get<int>(true, 10.0));
+  });
+  echo.start();
+  for (int i = 0; i < 100; ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(i % 3 == 0 ? 500 : 0));
+    q.put(i);
+    ASSERT_EQ(back.get<int>(true, 10.0), i);
+  }
+  ASSERT_TRUE(echo.join(10s));
+  EXPECT_EQ(echo.exitcode(), 0);
 }
 
 TEST(QueueFaultTest, BadInputAndClosedHandles) {
