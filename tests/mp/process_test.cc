@@ -112,7 +112,9 @@ TEST_P(ProcessTest, HangPastJoinTimeoutThenTerminateAndKill) {
   p.start();
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_FALSE(p.join(0.2));
-  EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s);
+  // A bound far above 0.2 s (the machine may be loaded, the binary sanitized) and far below the
+  // child's 60 s sleep: it only shows that join() gave up on its timeout.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s);
   EXPECT_TRUE(p.is_alive());
   EXPECT_EQ(p.exitcode(), std::nullopt);
   EXPECT_THROW(p.close(), Error);  // still running

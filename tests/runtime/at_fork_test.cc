@@ -135,18 +135,28 @@ TEST_F(AtForkTest, LastAttemptGivesUpAndForkProceeds) {
 // Two subsystems whose locks another thread takes in the opposite order: without roll-back the
 // fork would deadlock; with it, the fork completes.
 TEST_F(AtForkTest, RollBackBreaksLockOrderDeadlock) {
-  std::timed_mutex ma, mb;
+  // std::mutex with a bounded try_lock loop rather than std::timed_mutex::try_lock_for: the
+  // latter uses pthread_mutex_clocklock, which ThreadSanitizer (gcc 12) does not see.
+  std::mutex ma, mb;
+  auto try_lock_for_2ms = [](std::mutex& m) {
+    const auto until = std::chrono::steady_clock::now() + 2ms;
+    while (!m.try_lock()) {
+      if (std::chrono::steady_clock::now() >= until) return false;
+      std::this_thread::sleep_for(50us);
+    }
+    return true;
+  };
   int a, b;
   std::atomic<bool> b_prepared{false};
   AtForkHandler ha;  // registered first, prepared last
   ha.name = "subsystem_a";
-  ha.prepare = [&](const PrepareAttempt&) { return ma.try_lock_for(2ms); };
+  ha.prepare = [&](const PrepareAttempt&) { return try_lock_for_2ms(ma); };
   ha.parent = [&](bool p) { if (p) ma.unlock(); };
   ha.child = [&](bool p) { if (p) ma.unlock(); };
   AtForkHandler hb;  // registered second, prepared first
   hb.name = "subsystem_b";
   hb.prepare = [&](const PrepareAttempt&) {
-    if (!mb.try_lock_for(2ms)) return false;
+    if (!try_lock_for_2ms(mb)) return false;
     b_prepared = true;
     return true;
   };
@@ -157,10 +167,10 @@ TEST_F(AtForkTest, RollBackBreaksLockOrderDeadlock) {
 
   std::atomic<bool> holding{false};
   std::thread other([&] {
-    std::lock_guard<std::timed_mutex> la(ma);  // A then B: the opposite of prepare's order
+    std::lock_guard<std::mutex> la(ma);  // A then B: the opposite of prepare's order
     holding = true;
     while (!b_prepared) std::this_thread::sleep_for(100us);
-    std::lock_guard<std::timed_mutex> lb(mb);  // blocks until the registry rolls b back
+    std::lock_guard<std::mutex> lb(mb);  // blocks until the registry rolls b back
   });
   while (!holding) std::this_thread::sleep_for(100us);
   auto child = RunInChild([] { return 0; }, 20s);
