@@ -1,0 +1,154 @@
+// Fork soak (issue 7, "Load"): ten thousand forks, from two threads, while a runtime ThreadPool
+// is kept busy by a feeder thread and oneTBB is kept busy from a pool worker, with the simulated
+// accelerator initialized in the parent. Every child runs a ParallelFor on the inherited pool, a
+// fresh pool, a oneTBB reduction and a Tensor op, under an alarm() watchdog; the parent waits for
+// each child at most 60 s. A hang becomes a failure naming the fork. Size: FORKSAFE_SOAK_SCALE.
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+#include "device/registry.h"
+#include "device/sim_backend.h"
+#include "device/tensor.h"
+#include "gtest/gtest.h"
+#include "oneapi/tbb/blocked_range.h"
+#include "oneapi/tbb/parallel_reduce.h"
+#include "runtime/at_fork.h"
+#include "runtime/tbb_fork.h"
+#include "runtime/thread_pool.h"
+#include "tests/soak/soak_scale.h"
+#include "tests/support/child_process.h"
+
+namespace forksafe {
+namespace {
+
+using forksafe::testing::ChildResult;
+using forksafe::testing::RunInChild;
+using namespace std::chrono_literals;
+
+long TbbSum(long n) {
+  return tbb::parallel_reduce(
+      tbb::blocked_range<long>(0, n), 0L,
+      [](const tbb::blocked_range<long>& r, long acc) {
+        for (long i = r.begin(); i != r.end(); ++i) acc += i;
+        return acc;
+      },
+      [](long a, long b) { return a + b; });
+}
+
+int64_t PoolSum(runtime::ThreadPool& pool, int64_t n) {
+  std::atomic<int64_t> s{0};
+  pool.ParallelFor(0, n, 64, [&](int64_t a, int64_t b) {
+    int64_t local = 0;
+    for (int64_t i = a; i < b; ++i) local += i;
+    s += local;
+  });
+  return s.load();
+}
+
+// What every child checks; 0 when all is well, else a code naming the failed check.
+int ChildWork(runtime::ThreadPool& pool) {
+  if (device::DefaultDevice() != device::kCPU) return 10;
+  if (!device::GetBackend(device::DeviceType::kSimAccel).poisoned()) return 11;
+  if (PoolSum(pool, 5000) != 12497500) return 12;
+  runtime::ThreadPool fresh(runtime::ThreadPoolOptions{2, "child", 1000ms});
+  if (fresh.Submit([] { return 9; }).get() != 9) return 13;
+  if (runtime::TbbUsableInThisProcess() && TbbSum(20000) != 199990000L) return 14;
+  // A Tensor op: fill, clone, read back.
+  const device::Tensor t = device::Tensor::Full({16, 16}, 2.0).Clone();
+  float sum = 0;
+  for (float v : t.ToVector<float>()) sum += v;
+  if (sum != 512.0f) return 15;
+  return 0;
+}
+
+TEST(ForkSoakTest, TenThousandForksUnderBusyPools) {
+  const int total_forks = static_cast<int>(forksafe::testing::Scaled(10000, 2));
+  const int per_thread = total_forks / 2;
+  runtime::ThreadPool pool(runtime::ThreadPoolOptions{2, "soak", 5000ms});
+  const device::Device sim0(device::DeviceType::kSimAccel, 0);
+  void* dev = device::Allocate(sim0, 1 << 16);
+
+  std::atomic<bool> stop{false};
+  std::atomic<long> submitted{0}, completed{0}, tbb_rounds{0};
+  std::thread feeder([&] {
+    while (!stop) {
+      pool.Post([&] {
+        volatile long x = 0;
+        for (int i = 0; i < 2000; ++i) x += i;
+        ++completed;
+      });
+      ++submitted;
+      if (submitted % 64 == 0) std::this_thread::sleep_for(200us);
+    }
+  });
+  runtime::ThreadPool tbb_pool(runtime::ThreadPoolOptions{1, "tbb_user", 5000ms});
+  std::atomic<bool> tbb_wrong{false};
+  std::thread tbb_user([&] {
+    while (!stop) {
+      if (tbb_pool.Submit([] { return TbbSum(50000); }).get() != 1249975000L) tbb_wrong = true;
+      ++tbb_rounds;
+    }
+  });
+
+  const auto start = std::chrono::steady_clock::now();
+  std::atomic<int> failures{0}, done{0}, hung{0};
+  std::atomic<long long> slowest_us{0};
+  auto forker = [&](int id) {
+    for (int i = 0; i < per_thread; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      ChildResult r = RunInChild([&] { return ChildWork(pool); }, 60s, 60);
+      const long long us = std::chrono::duration_cast<std::chrono::microseconds>(
+                               std::chrono::steady_clock::now() - t0)
+                               .count();
+      long long prev = slowest_us.load();
+      while (us > prev && !slowest_us.compare_exchange_weak(prev, us)) {
+      }
+      ++done;
+      if (!r.ok()) {
+        ++failures;
+        if (r.timed_out) ++hung;
+        if (failures <= 20) {
+          fprintf(stderr, "forker %d fork %d: child %s\n", id, i, r.Describe().c_str());
+        }
+      }
+    }
+  };
+  std::thread second(forker, 1);
+  forker(0);
+  second.join();
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stop = true;
+  feeder.join();
+  tbb_user.join();
+  pool.Wait();
+
+  const runtime::TbbForkStats tbb = runtime::GetTbbForkStats();
+  const runtime::ThreadPoolStats ps = pool.stats();
+  printf("soak: forks: %d forks in %.1f s (%.0f forks/s, slowest fork+child %.1f ms), %d failed, "
+         "%d hung; parent ran %ld pool tasks and %ld oneTBB rounds meanwhile; oneTBB finalized "
+         "%llu, gave up %llu; pool drain deadline hits %llu\n",
+         done.load(), secs, done.load() / secs, slowest_us.load() / 1000.0, failures.load(),
+         hung.load(), completed.load(), tbb_rounds.load(),
+         static_cast<unsigned long long>(tbb.finalized),
+         static_cast<unsigned long long>(tbb.gave_up),
+         static_cast<unsigned long long>(ps.drain_timeouts));
+  RecordProperty("forks", done.load());
+  EXPECT_EQ(done.load(), 2 * per_thread);
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(hung.load(), 0);
+  EXPECT_FALSE(tbb_wrong.load()) << "a oneTBB reduction in the parent gave a wrong sum";
+  EXPECT_EQ(completed.load(), submitted.load()) << "every task submitted in the parent ran once";
+  EXPECT_GT(tbb_rounds.load(), 0);
+  EXPECT_EQ(tbb.gave_up, 0u);
+  device::Free(sim0, dev);
+}
+
+}  // namespace
+}  // namespace forksafe
