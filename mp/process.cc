@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "mp/internal/child.h"
+#include "mp/internal/server_auth.h"
 #include "mp/internal/shm_sync.h"
 #include "runtime/error.h"
 
@@ -82,13 +83,20 @@ namespace internal {
 
 // posix_spawn()s /proc/self/exe with `flag` as argv[1] and `fd_for_child` as its descriptor 3.
 // posix_spawn does not run at-fork handlers: a fresh program needs no quiescing.
-pid_t SpawnExecutable(const char* flag, int fd_for_child) {
-  // Move the descriptor above 3 first, so that dup2 onto 3 always makes a fresh, inheritable one.
+pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd) {
+  // Move the descriptors above 4 first, so that dup2 onto 3 and 4 always makes fresh,
+  // inheritable ones (and neither source is overwritten by the other's dup2).
   FileDescriptor src(fcntl(fd_for_child, F_DUPFD_CLOEXEC, 10));
   if (!src) runtime::ThrowSystemError("fcntl(F_DUPFD_CLOEXEC)", errno);
+  FileDescriptor secret;
+  if (secret_fd >= 0) {
+    secret.reset(fcntl(secret_fd, F_DUPFD_CLOEXEC, 10));
+    if (!secret) runtime::ThrowSystemError("fcntl(F_DUPFD_CLOEXEC)", errno);
+  }
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, src.get(), kBootstrapFd);
+  if (secret) posix_spawn_file_actions_adddup2(&fa, secret.get(), kSecretFd);
   std::string argv0 = Argv0();
   char* argv[] = {argv0.data(), const_cast<char*>(flag), nullptr};
   pid_t pid = 0;
@@ -296,7 +304,7 @@ struct Process::Impl {
     FileDescriptor lifeline = internal::LifelineReadEnd();
     auto [parent_end, child_end] = Pipe(true);
     if (method == "spawn") {
-      pid = internal::SpawnExecutable(internal::kChildFlag, child_end.fileno());
+      pid = internal::SpawnExecutable(internal::kChildFlag, child_end.fileno(), -1);
       child_end.close();
       result = parent_end;
       result.SendMessage(

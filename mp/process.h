@@ -12,7 +12,9 @@
 //     arguments go through the codec (descriptors out of band).
 //   - "forkserver": a server process, spawned once from a clean state (before any threads of
 //     user code) forks children on request. Its socket is an inherited socketpair, so no other
-//     process — let alone another user — can ask it for processes. Same target rules as spawn.
+//     process — let alone another user — can ask it for processes; and it serves nothing before
+//     its creator presents a 32-byte secret it handed the server on a private pipe (threat model:
+//     mp/internal/server_auth.h). Same target rules as spawn.
 //
 //   Programs that use spawn or forkserver call InitMain(argc, argv) first thing in main(): in a
 //   spawned child or the fork server it runs the library's side and never returns; otherwise it

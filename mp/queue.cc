@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "mp/internal/scm_rights.h"
+#include "mp/internal/shared_segment.h"
 #include "mp/internal/shm_sync.h"
 
 namespace forksafe::mp {
@@ -143,7 +144,7 @@ std::vector<FileDescriptor> RecvFds(int sock, uint64_t seq) {
 }
 
 FileDescriptor SpillToMemfd(const std::string& bytes) {
-  const int fd = memfd_create("forksafe:queue-item", MFD_CLOEXEC);
+  const int fd = internal::PrivateMemfd("forksafe:queue-item");
   if (fd < 0) runtime::ThrowSystemError("memfd_create for a large queue item", errno);
   FileDescriptor f(fd);
   size_t off = 0;

@@ -12,13 +12,13 @@
 //     one storage.
 //
 // Strategies
-//   file_descriptor: segments are anonymous memory files (memfd) passed with SCM_RIGHTS. Tensors
-//     are carved from a caching arena of a few large segments, and a receiver keeps one descriptor
-//     per segment, not per tensor: 100,000 shared tensors live under a 1,024-descriptor limit
-//     (PyTorch keeps one per storage and hits "Too many open files").
-//   file_system: segments are named POSIX shm objects ("/forksafe_<pid>_<128 random bits>",
-//     mode 0600) passed by name; the creator unlinks a segment once no reference to it is left
-//     anywhere.
+//   file_descriptor: segments are anonymous memory files (memfd, mode 0600) passed with
+//     SCM_RIGHTS. Tensors are carved from a caching arena of a few large segments, and a receiver
+//     keeps one descriptor per segment, not per tensor: 100,000 shared tensors live under a
+//     1,024-descriptor limit (PyTorch keeps one per storage and hits "Too many open files").
+//   file_system: segments are named POSIX shm objects
+//     ("/forksafe_<pid>_<128 bits from getrandom()>", mode 0600) passed by name; the creator
+//     unlinks a segment once no reference to it is left anywhere.
 //
 // Lifetimes (guarantees)
 //   A shared CPU tensor stays valid in a receiver after the sender dropped it or exited: every

@@ -12,12 +12,14 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <string.h>
 #include <cxxabi.h>
 #include <map>
 #include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "mp/internal/server_auth.h"
 #include "mp/internal/shm_manager.h"
 #include "runtime/at_fork.h"
 #include "runtime/error.h"
@@ -185,6 +187,10 @@ std::function<void()> TargetOf(RunRequest& req) {
 }
 
 [[noreturn]] void ServeForever(int sock) {
+  // Nothing is served before the creator proved it holds the secret it handed us on kSecretFd
+  // (see mp/internal/server_auth.h for the threat model). A refused connection is closed unread
+  // and, being the only one this server has, ends it.
+  std::string secret = ReadInheritedSecret(kSecretFd);
   // SIGCHLD through a signalfd, so the loop can wait on requests, deaths and the lifeline at once.
   sigset_t mask;
   sigemptyset(&mask);
@@ -193,6 +199,7 @@ std::function<void()> TargetOf(RunRequest& req) {
   const int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
   if (sfd < 0) _exit(120);
   Connection requests(FileDescriptor(sock), true, true);
+  if (!CheckServerHello(requests, secret, "the fork server")) _exit(0);
   std::map<pid_t, Connection> status_channels;
   FileDescriptor lifeline;  // from the first request: the server dies with its parent too
   for (;;) {
@@ -236,6 +243,7 @@ std::function<void()> TargetOf(RunRequest& req) {
       if (!lifeline) lifeline = FileDescriptor::Dup(req.lifeline.get());
       const pid_t pid = fork();
       if (pid == 0) {
+        explicit_bzero(secret.data(), secret.size());  // user code runs here: leave it no secret
         ::close(sfd);
         sigprocmask(SIG_UNBLOCK, &mask, nullptr);
         requests.close();
@@ -293,16 +301,19 @@ const bool g_server_handler = [] {
 
 }  // namespace
 
-pid_t SpawnExecutable(const char* flag, int fd_for_child);
-
 pid_t ForkServerRun(Message request) {
   ForkServer& s = TheServer();
   std::lock_guard<std::mutex> lk(s.mu);
   if (s.pid == 0) {
     auto [ours, theirs] = Pipe(true);
-    s.pid = SpawnExecutable(kServerFlag, theirs.fileno());
+    std::string secret = NewServerSecret();
+    FileDescriptor secret_pipe = SecretPipe(secret);
+    s.pid = SpawnExecutable(kServerFlag, theirs.fileno(), secret_pipe.get());
+    secret_pipe.reset();
     theirs.close();
     s.requests = ours;
+    SendServerHello(s.requests, secret);
+    explicit_bzero(secret.data(), secret.size());
   }
   s.requests.SendMessage(request);
   Message reply = s.requests.RecvMessage(std::chrono::duration<double>(30));

@@ -13,10 +13,10 @@
 #include <map>
 #include <set>
 #include <mutex>
-#include <random>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "mp/internal/shared_segment.h"
 #include "mp/internal/shm_manager.h"
 #include "runtime/at_fork.h"
 #include "runtime/error.h"
@@ -75,11 +75,6 @@ size_t SizeClass(size_t n) {
   throw Error(ErrorCode::kResourceExhausted,
               absl::StrCat("out of memory reserving ", bytes,
                            " bytes of shared memory; free shared tensors or lower batch sizes"));
-}
-
-uint64_t RandomId() {
-  static std::mt19937_64 rng{std::random_device{}()};
-  return rng();
 }
 
 }  // namespace
@@ -141,7 +136,7 @@ std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind) {
   seg->owned = true;
   int fd;
   if (kind == SegmentKind::kMemfd) {
-    fd = memfd_create("forksafe:tensor-arena", MFD_CLOEXEC);
+    fd = PrivateMemfd("forksafe:tensor-arena");
   } else {
     // Check the room in /dev/shm first: reserving more than is free would fill it page by page
     // before failing, squeezing every other user of /dev/shm meanwhile.
@@ -150,8 +145,9 @@ std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind) {
         static_cast<unsigned long long>(vfs.f_bavail) * vfs.f_frsize < size) {
       ThrowNoSpace(ENOSPC, size, kind);
     }
-    seg->name = absl::StrCat(SharedArena::NamePrefix(), absl::Hex(RandomId(), absl::kZeroPad16),
-                             absl::Hex(RandomId(), absl::kZeroPad16));
+    // 128 bits from getrandom(): not guessable, and a forked child does not repeat its
+    // parent's sequence (a seeded generator copied by fork() would).
+    seg->name = absl::StrCat(SharedArena::NamePrefix(), RandomHex128());
     fd = shm_open(seg->name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   }
   if (fd < 0) ThrowNoSpace(errno, size, kind);
@@ -166,7 +162,7 @@ std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind) {
   seg->base = static_cast<char*>(p);
   struct stat st;
   fstat(fd, &st);
-  seg->id = kind == SegmentKind::kMemfd ? static_cast<uint64_t>(st.st_ino) : RandomId();
+  seg->id = kind == SegmentKind::kMemfd ? static_cast<uint64_t>(st.st_ino) : RandomU64();
   SegmentHeader* h = seg->header();
   h->magic = kSegmentMagic;
   h->size = size;

@@ -1,16 +1,54 @@
 #include "mp/internal/shared_segment.h"
 
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <string>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/error.h"
 
 namespace forksafe::mp::internal {
+
+int PrivateMemfd(const char* name) {
+  const int fd = memfd_create(name, MFD_CLOEXEC);
+  if (fd < 0) return -1;
+  if (fchmod(fd, 0600) != 0) {
+    const int err = errno;
+    ::close(fd);
+    errno = err;
+    return -1;
+  }
+  return fd;
+}
+
+std::string RandomBytes(size_t n) {
+  std::string out(n, '\0');
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = getrandom(out.data() + got, n - got, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      runtime::ThrowSystemError("getrandom", errno);
+    }
+    got += static_cast<size_t>(r);
+  }
+  return out;
+}
+
+std::string RandomHex128() { return absl::BytesToHexString(RandomBytes(16)); }
+
+uint64_t RandomU64() {
+  const std::string b = RandomBytes(sizeof(uint64_t));
+  uint64_t v;
+  std::memcpy(&v, b.data(), sizeof(v));
+  return v;
+}
 
 SharedSegment::~SharedSegment() {
   if (data_ != nullptr) munmap(data_, size_);
@@ -33,7 +71,7 @@ SharedSegment SharedSegment::Create(size_t bytes, const char* name) {
   if (bytes == 0) {
     throw runtime::Error(runtime::ErrorCode::kInvalidArgument, "a shared segment needs >= 1 byte");
   }
-  const int fd = memfd_create(absl::StrCat("forksafe:", name).c_str(), MFD_CLOEXEC);
+  const int fd = PrivateMemfd(absl::StrCat("forksafe:", name).c_str());
   if (fd < 0) {
     const int err = errno;
     if (err == EMFILE || err == ENFILE) {
@@ -41,7 +79,7 @@ SharedSegment SharedSegment::Create(size_t bytes, const char* name) {
                            "out of file descriptors creating shared memory; close unused "
                            "objects or raise the limit (ulimit -n)");
     }
-    runtime::ThrowSystemError("memfd_create", err);
+    runtime::ThrowSystemError("memfd_create (mode 0600)", err);
   }
   FileDescriptor owned(fd);
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <string.h>
 #include <fstream>
 #include <mutex>
 #include <set>
@@ -20,11 +21,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "mp/connection.h"
+#include "mp/internal/server_auth.h"
 #include "runtime/at_fork.h"
 
 namespace forksafe::mp::internal {
-
-pid_t SpawnExecutable(const char* flag, int fd_for_child);  // mp/process.cc
 
 namespace {
 
@@ -132,9 +132,14 @@ void ShmManagerTrack(const std::string& name) {
   try {
     if (c.pid == 0) {
       auto [ours, theirs] = Pipe(true);
-      c.pid = SpawnExecutable(kShmManagerFlag, theirs.fileno());
+      std::string secret = NewServerSecret();
+      FileDescriptor secret_pipe = SecretPipe(secret);
+      c.pid = SpawnExecutable(kShmManagerFlag, theirs.fileno(), secret_pipe.get());
+      secret_pipe.reset();
       theirs.close();
       c.conn = ours;
+      SendServerHello(c.conn, secret);
+      explicit_bzero(secret.data(), secret.size());
     }
     c.conn.send(std::string("track"), name.substr(1));  // without the leading '/'
   } catch (const std::exception& e) {
@@ -151,8 +156,12 @@ pid_t ShmManagerPid() {
 void RunShmManager(int fd) {
   signal(SIGINT, SIG_IGN);  // a Ctrl-C for the program must not stop the cleanup
   setsid();                 // nor a signal to its process group
-  SweepOrphanedSegments();
+  // Nothing is done, not even the sweep, before the creator proved it holds the secret it handed
+  // us on kSecretFd (threat model: mp/internal/server_auth.h). A refused connection is closed
+  // unread and, being the only one this manager has, ends it without touching /dev/shm.
   Connection client(FileDescriptor(fd), true, true);
+  if (!CheckServerHello(client, ReadInheritedSecret(kSecretFd), "the shm manager")) _exit(0);
+  SweepOrphanedSegments();
   std::set<std::string> names;
   for (;;) {  // while the client lives: collect its names
     std::string kind, name;

@@ -7,7 +7,11 @@
 // removes every segment of it that no process references any more (the segment's shared count is
 // zero) or that no process maps any more (scanning /proc/*/maps), then exits. On start, a manager
 // also sweeps segments whose creator is dead and that nobody maps: what a killed manager (or a
-// crash before the manager started) left behind in an earlier run.
+// crash before the manager started) left behind in an earlier run. The manager does nothing, the
+// sweep included, before its creator presented the secret it handed the manager on a private pipe
+// (mp/internal/server_auth.h, which also states the threat model); a connection without it is
+// closed unread and the manager exits. Names carry 128 bits from getrandom().
+
 #ifndef FORKSAFE_MP_INTERNAL_SHM_MANAGER_H_
 #define FORKSAFE_MP_INTERNAL_SHM_MANAGER_H_
 

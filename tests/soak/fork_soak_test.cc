@@ -3,6 +3,7 @@
 // accelerator initialized in the parent. Every child runs a ParallelFor on the inherited pool, a
 // fresh pool, a oneTBB reduction and a Tensor op, under an alarm() watchdog; the parent waits for
 // each child at most 60 s. A hang becomes a failure naming the fork. Size: FORKSAFE_SOAK_SCALE.
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -51,20 +52,39 @@ int64_t PoolSum(runtime::ThreadPool& pool, int64_t n) {
   return s.load();
 }
 
-// What every child checks; 0 when all is well, else a code naming the failed check.
-int ChildWork(runtime::ThreadPool& pool) {
+// What every child checks; 0 when all is well, else a code naming the failed check. `step`
+// (shared with the parent) says how far it got, so that a hang names the check that hung.
+int ChildWork(runtime::ThreadPool& pool, std::atomic<int>* step) {
+  step->store(1);
   if (device::DefaultDevice() != device::kCPU) return 10;
   if (!device::GetBackend(device::DeviceType::kSimAccel).poisoned()) return 11;
+  step->store(2);
   if (PoolSum(pool, 5000) != 12497500) return 12;
+  step->store(3);
   runtime::ThreadPool fresh(runtime::ThreadPoolOptions{2, "child", 1000ms});
   if (fresh.Submit([] { return 9; }).get() != 9) return 13;
+  step->store(4);
   if (runtime::TbbUsableInThisProcess() && TbbSum(20000) != 199990000L) return 14;
+  step->store(5);
   // A Tensor op: fill, clone, read back.
   const device::Tensor t = device::Tensor::Full({16, 16}, 2.0).Clone();
   float sum = 0;
   for (float v : t.ToVector<float>()) sum += v;
   if (sum != 512.0f) return 15;
+  step->store(6);
   return 0;
+}
+
+const char* StepName(int step) {
+  switch (step) {
+    case 0: return "before the child body (fork or at-fork child handlers)";
+    case 1: return "device checks";
+    case 2: return "ParallelFor on the inherited pool";
+    case 3: return "a fresh ThreadPool";
+    case 4: return "oneTBB parallel_reduce";
+    case 5: return "the Tensor op";
+    default: return "after the checks (exit)";
+  }
 }
 
 TEST(ForkSoakTest, TenThousandForksUnderBusyPools) {
@@ -99,10 +119,15 @@ TEST(ForkSoakTest, TenThousandForksUnderBusyPools) {
   const auto start = std::chrono::steady_clock::now();
   std::atomic<int> failures{0}, done{0}, hung{0};
   std::atomic<long long> slowest_us{0};
+  // One progress slot per forker thread, shared with its children.
+  void* shared = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(shared, MAP_FAILED);
+  auto* steps = static_cast<std::atomic<int>*>(shared);
   auto forker = [&](int id) {
     for (int i = 0; i < per_thread; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
-      ChildResult r = RunInChild([&] { return ChildWork(pool); }, 60s, 60);
+      steps[id].store(0);
+      ChildResult r = RunInChild([&] { return ChildWork(pool, &steps[id]); }, 60s, 60);
       const long long us = std::chrono::duration_cast<std::chrono::microseconds>(
                                std::chrono::steady_clock::now() - t0)
                                .count();
@@ -114,7 +139,8 @@ TEST(ForkSoakTest, TenThousandForksUnderBusyPools) {
         ++failures;
         if (r.timed_out) ++hung;
         if (failures <= 20) {
-          fprintf(stderr, "forker %d fork %d: child %s\n", id, i, r.Describe().c_str());
+          fprintf(stderr, "forker %d fork %d: child %s; it got as far as: %s\n", id, i,
+                  r.Describe().c_str(), StepName(steps[id].load()));
         }
       }
     }
@@ -148,6 +174,7 @@ TEST(ForkSoakTest, TenThousandForksUnderBusyPools) {
   EXPECT_GT(tbb_rounds.load(), 0);
   EXPECT_EQ(tbb.gave_up, 0u);
   device::Free(sim0, dev);
+  munmap(shared, 4096);
 }
 
 }  // namespace

@@ -54,7 +54,11 @@ TEST(PoolSoakTest, RandomWorkerKillsLoseNoTask) {
   g_runs = static_cast<std::atomic<int32_t>*>(mem);
 
   constexpr int kWorkers = 4;
-  Pool pool(PoolOptions{kWorkers, {}, 0, "fork", "soak"});
+  PoolOptions options;
+  options.processes = kWorkers;
+  options.start_method = "fork";
+  options.name = "soak";
+  Pool pool(options);
 
   std::atomic<bool> stop{false};
   std::atomic<int> kills{0};
