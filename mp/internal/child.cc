@@ -12,7 +12,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <string.h>
 #include <cxxabi.h>
 #include <map>
 #include <mutex>

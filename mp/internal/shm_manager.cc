@@ -12,7 +12,6 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <string.h>
 #include <fstream>
 #include <mutex>
 #include <set>
