@@ -3,7 +3,8 @@
 # summary line "N passed, N failed, N skipped" counted over GoogleTest cases.
 #   bash tools/test.sh [extra bazel flags, e.g. --config=asan]
 # With FORKSAFE_SANITIZERS="asan ubsan" the suite runs again under each of those configurations
-# and the summary line counts every run (CI does this).
+# and the summary line counts every run (CI does this). With FORKSAFE_SOAK_SCALE=0.1 the soak
+# tests (tests/soak, tagged manual; see tools/soak.sh) run too, at that fraction of full size.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh || exit 1
@@ -15,8 +16,8 @@ status=0
 
 # Runs the suite once with the given flags and adds its GoogleTest counts to the totals.
 run_suite() {
-  echo "=== bazel test $* //..."
-  bazel test --keep_going "$@" //... 2>&1 | grep -v "linux-sandbox" | tee "$log"
+  echo "=== bazel test $* ${targets:-//...}"
+  bazel test --keep_going "$@" ${targets:-//...} 2>&1 | grep -v "linux-sandbox" | tee "$log"
   local run_status=${PIPESTATUS[0]}
   [ "$run_status" -ne 0 ] && status=$run_status
   local before_passed=$passed before_failed=$failed
@@ -59,6 +60,12 @@ run_suite "$@"
 for config in ${FORKSAFE_SANITIZERS:-}; do
   run_suite --config="$config" "$@"
 done
+if [ -n "${FORKSAFE_SOAK_SCALE:-}" ]; then
+  targets=//tests/soak:soak run_suite --test_env=FORKSAFE_SOAK_SCALE="$FORKSAFE_SOAK_SCALE" \
+    --test_output=all "$@"
+  echo "=== soak figures (scale $FORKSAFE_SOAK_SCALE)"
+  grep '^soak:' "$log" || echo "no figures: the soak tests did not run"
+fi
 
 # Nothing may be left in /dev/shm by the tests (named segments of the file_system strategy whose
 # creator is gone). Give the shm managers a moment to finish, then count what remains.
