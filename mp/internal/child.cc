@@ -22,6 +22,7 @@
 #include "mp/internal/shm_manager.h"
 #include "runtime/at_fork.h"
 #include "runtime/error.h"
+#include "runtime/internal/kept_resources.h"
 
 extern char** environ;
 
@@ -50,6 +51,12 @@ const bool g_lifeline_handler = [] {
     if (l.read_end >= 0) ::close(l.read_end);
     if (l.write_end >= 0) ::close(l.write_end);
     l.read_end = l.write_end = -1;
+  });
+  runtime::internal::RegisterKeptResources("mp_lifeline", [](runtime::internal::KeptResources& k) {
+    Lifeline& l = TheLifeline();
+    std::lock_guard<std::mutex> lk(l.mu);
+    k.AddFd(l.read_end, "mp lifeline pipe (read end)");
+    k.AddFd(l.write_end, "mp lifeline pipe (write end)");
   });
   return true;
 }();
@@ -294,6 +301,12 @@ const bool g_server_handler = [] {
     s.requests.close();
     s.requests = Connection();
     s.pid = 0;
+  });
+  runtime::internal::RegisterKeptResources("mp_forkserver", [](runtime::internal::KeptResources& k) {
+    ForkServer& s = TheServer();
+    std::lock_guard<std::mutex> lk(s.mu);
+    k.AddChild(s.pid, "mp fork server");
+    if (!s.requests.closed()) k.AddFd(s.requests.fileno(), "mp fork server socket");
   });
   return true;
 }();

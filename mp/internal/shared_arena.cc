@@ -20,6 +20,7 @@
 #include "mp/internal/shm_manager.h"
 #include "runtime/at_fork.h"
 #include "runtime/error.h"
+#include "runtime/internal/kept_resources.h"
 
 namespace forksafe::mp::internal {
 namespace {
@@ -206,6 +207,9 @@ SharedArena::SharedArena() : impl_(new Impl()) {
     impl_->mu.unlock();
   };
   runtime::AtForkRegistry::Get().Register(&tag, std::move(h));
+  // The arena keeps nothing for the life of the process; its caches go on request
+  // (runtime::ReleaseCachedResources).
+  runtime::internal::RegisterKeptResources("mp_shared_arena", nullptr, [this] { ReleaseCaches(); });
 }
 
 std::string SharedArena::NamePrefix() { return absl::StrCat("/forksafe_", getpid(), "_"); }
@@ -369,6 +373,16 @@ void SharedArena::EmptyCache() {
       ++it;
     }
   }
+}
+
+void SharedArena::ReleaseCaches() {
+  EmptyCache();
+  std::deque<std::shared_ptr<Segment>> recent;
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    recent.swap(impl_->recent);
+  }
+  // Unmapped here, outside the lock, unless a live block still holds the segment.
 }
 
 ArenaStats SharedArena::stats() const {

@@ -112,6 +112,11 @@ class SharedArena {
   /// Unmaps segments of this process's cache whose blocks are all free.
   void EmptyCache();
 
+  /// EmptyCache(), and also lets go of the recently imported segments kept mapped for speed
+  /// (each is unmapped unless a live block holds it). Registered as a cache of
+  /// runtime::ReleaseCachedResources().
+  void ReleaseCaches();
+
   ArenaStats stats() const;
 
   /// Prefix of named segments ("/forksafe_<pid>_"), for the shm manager.

@@ -22,6 +22,7 @@
 #include "mp/connection.h"
 #include "mp/internal/server_auth.h"
 #include "runtime/at_fork.h"
+#include "runtime/internal/kept_resources.h"
 
 namespace forksafe::mp::internal {
 
@@ -46,6 +47,12 @@ const bool g_handler = [] {
     c.conn.close();
     c.conn = Connection();
     c.pid = 0;
+  });
+  runtime::internal::RegisterKeptResources("mp_shm_manager", [](runtime::internal::KeptResources& k) {
+    Client& c = TheClient();
+    std::lock_guard<std::mutex> lk(c.mu);
+    k.AddChild(c.pid, "mp shm manager");
+    if (!c.conn.closed()) k.AddFd(c.conn.fileno(), "mp shm manager socket");
   });
   return true;
 }();

@@ -1,5 +1,6 @@
 // The main() of every forksafe test binary: GoogleTest plus a watchdog, so that a test that hangs
-// (a deadlock after fork, a child that never answers) fails with a message instead of stalling CI.
+// (a deadlock after fork, a child that never answers) fails with a message instead of stalling CI,
+// plus the leak check of tests/support/leak_check.h around every test.
 #include <signal.h>
 #include <unistd.h>
 
@@ -8,6 +9,7 @@
 #include <cstring>
 
 #include "gtest/gtest.h"
+#include "tests/support/leak_check.h"
 
 namespace {
 
@@ -48,6 +50,9 @@ int ForksafeTestMain(int argc, char** argv) {
   unsigned seconds = 120;
   if (const char* v = getenv("FORKSAFE_TEST_WATCHDOG_S")) seconds = static_cast<unsigned>(atoi(v));
   ::testing::UnitTest::GetInstance()->listeners().Append(new WatchdogListener(seconds));
+  // Last, so that its OnTestEnd (called in reverse order) runs while the watchdog is still armed
+  // and before the printer reports the test's result.
+  forksafe::testing::InstallLeakCheck();
   return RUN_ALL_TESTS();
 }
 
