@@ -9,6 +9,8 @@
 #include <exception>
 #include <thread>
 
+#include "tests/support/leak_check.h"
+
 namespace forksafe::testing {
 
 std::string ChildResult::Describe() const {
@@ -65,7 +67,9 @@ ChildResult RunInChild(const std::function<int()>& body, std::chrono::millisecon
     alarm(child_alarm_s);
     int code = 0;
     try {
+      ChildLeakScope leak_scope;
       code = body();
+      if (!leak_scope.Check() && code == 0) code = kChildLeakExitCode;
     } catch (const std::exception& e) {
       fprintf(stderr, "child %d threw: %s\n", getpid(), e.what());
       code = 100;

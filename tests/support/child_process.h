@@ -31,8 +31,9 @@ struct ChildResult {
 ChildResult WaitChild(pid_t pid, std::chrono::milliseconds timeout);
 
 /// Forks; the child arms alarm(child_alarm_s), runs `body` and _exits with its return value
-/// (exit code 100 when it throws, after printing the exception). The parent waits at most
-/// `timeout`.
+/// (exit code 100 when it throws, after printing the exception; kChildLeakExitCode (101) when it
+/// returned 0 but left resources behind, listed on stderr: see tests/support/leak_check.h). The
+/// parent waits at most `timeout`.
 ChildResult RunInChild(const std::function<int()>& body,
                        std::chrono::milliseconds timeout = std::chrono::seconds(60),
                        unsigned child_alarm_s = 60);
