@@ -43,6 +43,7 @@ struct SegmentHeader {
   uint64_t id;
   int32_t creator;
   std::atomic<int32_t> live_refs;  // sum of the blocks' counts (for the shm manager)
+  uint64_t pid_ns;                 // the creator's pid namespace (PidNamespaceId(), for the sweep)
 };
 
 struct BlockHeader {
@@ -170,6 +171,7 @@ std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind) {
   h->id = seg->id;
   h->creator = getpid();
   h->live_refs.store(0);
+  h->pid_ns = PidNamespaceId();
   return seg;
 }
 

@@ -89,21 +89,45 @@ std::set<std::string> MappedNames() {
   return out;
 }
 
-// The segment's count of live references (see shared_arena.cc's SegmentHeader), or -1.
-int32_t LiveRefs(const std::string& entry) {
+// The start of a segment (see shared_arena.cc's SegmentHeader).
+struct Header {
+  uint64_t magic, size, id;
+  int32_t creator;
+  int32_t live_refs;
+  uint64_t pid_ns;
+};
+constexpr uint64_t kSegmentMagic = 0x66736172656e6131ull;  // "fsarena1"
+
+// Maps the header page of segment `entry` read-only; nullptr when it has none (yet).
+const Header* MapHeader(const std::string& entry) {
   const int fd = shm_open(("/" + entry).c_str(), O_RDONLY | O_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  void* p = mmap(nullptr, 4096, PROT_READ, MAP_SHARED, fd, 0);
+  if (fd < 0) return nullptr;
+  struct stat st;
+  void* p = MAP_FAILED;
+  if (fstat(fd, &st) == 0 && st.st_size >= 4096) {  // a shorter one would SIGBUS on reading
+    p = mmap(nullptr, 4096, PROT_READ, MAP_SHARED, fd, 0);
+  }
   ::close(fd);
-  if (p == MAP_FAILED) return -1;
-  struct Header {
-    uint64_t magic, size, id;
-    int32_t creator;
-    int32_t live_refs;
-  };
-  const int32_t refs = __atomic_load_n(&static_cast<const Header*>(p)->live_refs, __ATOMIC_ACQUIRE);
-  munmap(p, 4096);
+  return p == MAP_FAILED ? nullptr : static_cast<const Header*>(p);
+}
+
+// The segment's count of live references, or -1.
+int32_t LiveRefs(const std::string& entry) {
+  const Header* h = MapHeader(entry);
+  if (h == nullptr) return -1;
+  const int32_t refs = __atomic_load_n(&h->live_refs, __ATOMIC_ACQUIRE);
+  munmap(const_cast<Header*>(h), 4096);
   return refs;
+}
+
+// Whether a forksafe process of this pid namespace made segment `entry` (its creator pid means
+// something here).
+bool MadeInThisNamespace(const std::string& entry) {
+  const Header* h = MapHeader(entry);
+  if (h == nullptr) return false;
+  const bool ours = h->magic == kSegmentMagic && h->pid_ns == PidNamespaceId();
+  munmap(const_cast<Header*>(h), 4096);
+  return ours;
 }
 
 bool Exists(const std::string& entry) {
@@ -112,6 +136,11 @@ bool Exists(const std::string& entry) {
 }
 
 }  // namespace
+
+uint64_t PidNamespaceId() {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
 
 int SweepOrphanedSegments() {
   std::set<std::string> candidates;
@@ -127,7 +156,9 @@ int SweepOrphanedSegments() {
   const std::set<std::string> mapped = MappedNames();
   int removed = 0;
   for (const std::string& n : candidates) {
-    if (mapped.count(n) == 0 && shm_unlink(("/" + n).c_str()) == 0) ++removed;
+    if (mapped.count(n) == 0 && MadeInThisNamespace(n) && shm_unlink(("/" + n).c_str()) == 0) {
+      ++removed;
+    }
   }
   return removed;
 }

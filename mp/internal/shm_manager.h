@@ -10,13 +10,17 @@
 // crash before the manager started) left behind in an earlier run. The manager does nothing, the
 // sweep included, before its creator presented the secret it handed the manager on a private pipe
 // (mp/internal/server_auth.h, which also states the threat model); a connection without it is
-// closed unread and the manager exits. Names carry 128 bits from getrandom().
+// closed unread and the manager exits. Names carry 128 bits from getrandom(). The creator's pid is
+// only meaningful in its own pid namespace, and /dev/shm is often shared by several (containers,
+// the sandboxes of a test runner): the sweep removes only segments whose header says they were
+// made in the sweeper's pid namespace, and leaves every other entry alone.
 
 #ifndef FORKSAFE_MP_INTERNAL_SHM_MANAGER_H_
 #define FORKSAFE_MP_INTERNAL_SHM_MANAGER_H_
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <string>
 
 namespace forksafe::mp::internal {
@@ -30,8 +34,13 @@ void ShmManagerTrack(const std::string& name);
 /// The manager's pid (0 when none was started by this process).
 pid_t ShmManagerPid();
 
-/// Removes segments of dead creators that no process maps. Returns how many were removed.
+/// Removes segments of dead creators of this pid namespace that no process maps. Returns how many
+/// were removed.
 int SweepOrphanedSegments();
+
+/// An identity of this process's pid namespace (the inode of /proc/self/ns/pid; 0 if unknown).
+/// Segments record their creator's, so that a sweep in another namespace leaves them alone.
+uint64_t PidNamespaceId();
 
 /// The manager's main loop on descriptor `fd` (never returns).
 [[noreturn]] void RunShmManager(int fd);

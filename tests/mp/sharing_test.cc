@@ -8,11 +8,13 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <thread>
@@ -132,6 +134,46 @@ TEST(ShmManagerTest, ANewManagerSweepsWhatAKilledManagerLeft) {
   // The next manager to start (any process using file_system) sweeps it.
   EXPECT_GE(internal::SweepOrphanedSegments(), 1);
   EXPECT_TRUE(ShmEntriesOf(pid).empty());
+}
+
+// A pid means something only in its own pid namespace, and /dev/shm is shared by several (the
+// test runner's sandboxes, containers): a sweep must leave alone the segments of other namespaces,
+// whose creator merely looks dead from here. (Found by the leak check: concurrent test binaries
+// in separate sandboxes unlinked each other's live segments.)
+TEST(ShmManagerTest, SweepLeavesSegmentsOfOtherPidNamespaces) {
+  const auto gone = forksafe::testing::RunInChild([] { return 0; });  // a pid that is dead now
+  ASSERT_TRUE(gone.ok());
+  const pid_t dead = gone.pid;
+  // A segment header as shared_arena.cc writes it.
+  struct Header {
+    uint64_t magic, size, id;
+    int32_t creator;
+    int32_t live_refs;
+    uint64_t pid_ns;
+  };
+  auto make = [&](const std::string& suffix, uint64_t pid_ns, bool with_header) {
+    const std::string name = "/forksafe_" + std::to_string(dead) + "_" + suffix;
+    const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    EXPECT_GE(fd, 0) << name;
+    if (with_header) {
+      EXPECT_EQ(ftruncate(fd, 4096), 0);
+      const Header h{0x66736172656e6131ull, 4096, 42, dead, 0, pid_ns};
+      EXPECT_EQ(pwrite(fd, &h, sizeof(h), 0), static_cast<ssize_t>(sizeof(h)));
+    }
+    close(fd);
+    return name.substr(1);
+  };
+  const uint64_t here = internal::PidNamespaceId();
+  const std::string foreign = make("0123456789abcdef0123456789abcdef", here + 1, true);
+  const std::string headerless = make("fedcba9876543210fedcba9876543210", here, false);
+  const std::string ours = make("00112233445566778899aabbccddeeff", here, true);
+  internal::SweepOrphanedSegments();
+  const std::vector<std::string> left = ShmEntriesOf(dead);
+  auto has = [&](const std::string& n) { return std::find(left.begin(), left.end(), n) != left.end(); };
+  EXPECT_TRUE(has(foreign)) << "the sweep removed a segment of another pid namespace";
+  EXPECT_TRUE(has(headerless)) << "the sweep removed an entry it cannot tell the origin of";
+  EXPECT_FALSE(has(ours)) << "the sweep left an orphan of this pid namespace";
+  for (const std::string& n : left) shm_unlink(("/" + n).c_str());
 }
 
 TEST(SharingStrategyTest, NamesAndErrors) {
