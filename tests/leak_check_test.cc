@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -89,10 +90,13 @@ const std::vector<std::pair<const char*, std::function<void()>>>& SelfTests() {
        }},
       {"LeaksShmName",
        [] {
-         const std::string name = "/forksafe_" + std::to_string(getpid()) + "_leakselftest";
+         // Unique: sub-runs in other sandboxes may have the same pid.
+         const std::string name = "/forksafe_" + std::to_string(getpid()) + "_leakselftest" +
+                                  std::to_string(std::random_device{}());
          const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-         ASSERT_GE(fd, 0);
+         ASSERT_GE(fd, 0) << name << ": " << strerror(errno);
          close(fd);
+         printf("leaked name %s\n", name.c_str() + 1);
        }},
       {"LeaksMapping",
        [] {
@@ -284,7 +288,10 @@ TEST(LeakCheck, ReportsAZombie) {
 
 TEST(LeakCheck, ReportsADevShmName) {
   const SubRun run = RunSelf("LeakSelfTest.LeaksShmName");
-  const std::string name = "forksafe_" + std::to_string(run.pid) + "_leakselftest";
+  const std::string line = LineWith(run.output, "leaked name ");
+  ASSERT_FALSE(line.empty()) << run.output;
+  const std::string name = line.substr(line.find("leaked name ") + 12);
+  ASSERT_EQ(name.rfind("forksafe_" + std::to_string(run.pid) + "_leakselftest", 0), 0u) << name;
   shm_unlink(("/" + name).c_str());  // the sub-run left it on purpose
   ExpectReported("LeaksShmName", "/dev/shm entry " + name, run);
 }

@@ -14,7 +14,6 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <functional>
 #include <string>
 #include <thread>
@@ -46,13 +45,31 @@ int OpenFds() {
   return n - 3;  // ".", "..", and the DIR's own descriptor
 }
 
+// Whether /dev/shm entry `name` is not known to come from another pid namespace: its segment
+// header (shared_arena.cc) records the creator's namespace. A pid names different processes in
+// different namespaces, and the test runner's sandboxes share /dev/shm.
+bool NotFromAnotherPidNamespace(const std::string& name) {
+  const int fd = shm_open(("/" + name).c_str(), O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0) return false;
+  struct stat st;
+  uint64_t header[5] = {0, 0, 0, 0, 0};  // magic, size, id, creator + live_refs, pid_ns
+  const bool full = fstat(fd, &st) == 0 && st.st_size >= 4096 &&
+                    pread(fd, header, sizeof(header), 0) == static_cast<ssize_t>(sizeof(header));
+  close(fd);
+  return !full || header[0] != 0x66736172656e6131ull ||
+         header[4] == internal::PidNamespaceId();
+}
+
+// The /dev/shm entries of process `pid` of this pid namespace.
 std::vector<std::string> ShmEntriesOf(pid_t pid) {
   std::vector<std::string> out;
   const std::string prefix = "forksafe_" + std::to_string(pid) + "_";
   DIR* d = opendir("/dev/shm");
   if (d == nullptr) return out;
   while (dirent* e = readdir(d)) {
-    if (std::string(e->d_name).rfind(prefix, 0) == 0) out.push_back(e->d_name);
+    if (std::string(e->d_name).rfind(prefix, 0) == 0 && NotFromAnotherPidNamespace(e->d_name)) {
+      out.push_back(e->d_name);
+    }
   }
   closedir(d);
   return out;
@@ -168,12 +185,14 @@ TEST(ShmManagerTest, SweepLeavesSegmentsOfOtherPidNamespaces) {
   const std::string headerless = make("fedcba9876543210fedcba9876543210", here, false);
   const std::string ours = make("00112233445566778899aabbccddeeff", here, true);
   internal::SweepOrphanedSegments();
-  const std::vector<std::string> left = ShmEntriesOf(dead);
-  auto has = [&](const std::string& n) { return std::find(left.begin(), left.end(), n) != left.end(); };
+  auto has = [](const std::string& n) {
+    struct stat st;
+    return stat(("/dev/shm/" + n).c_str(), &st) == 0;
+  };
   EXPECT_TRUE(has(foreign)) << "the sweep removed a segment of another pid namespace";
   EXPECT_TRUE(has(headerless)) << "the sweep removed an entry it cannot tell the origin of";
   EXPECT_FALSE(has(ours)) << "the sweep left an orphan of this pid namespace";
-  for (const std::string& n : left) shm_unlink(("/" + n).c_str());
+  for (const std::string& n : {foreign, headerless, ours}) shm_unlink(("/" + n).c_str());
 }
 
 TEST(SharingStrategyTest, NamesAndErrors) {

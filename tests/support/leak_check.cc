@@ -1,6 +1,8 @@
 #include "tests/support/leak_check.h"
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -87,12 +89,33 @@ void ReadChildren(Snapshot& s) {
   closedir(d);
 }
 
+uint64_t PidNamespaceId() {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+// False when /dev/shm entry `name` is a forksafe segment whose header (mp/internal/
+// shared_arena.cc: magic, size, id, creator and live_refs, pid namespace) says another pid
+// namespace made it: the same pid names another process there, and sandboxes share /dev/shm.
+bool MaybeMadeHere(const std::string& name) {
+  const int fd = open(("/dev/shm/" + name).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return false;
+  struct stat st;
+  uint64_t header[5] = {0, 0, 0, 0, 0};
+  const bool full = fstat(fd, &st) == 0 && st.st_size >= 4096 &&
+                    pread(fd, header, sizeof(header), 0) == static_cast<ssize_t>(sizeof(header));
+  close(fd);
+  return !full || header[0] != 0x66736172656e6131ull || header[4] == PidNamespaceId();
+}
+
 void ReadShmNames(Snapshot& s) {
   const std::string prefix = "forksafe_" + std::to_string(getpid()) + "_";
   DIR* d = opendir("/dev/shm");
   if (d == nullptr) return;
   while (dirent* e = readdir(d)) {
-    if (std::string(e->d_name).rfind(prefix, 0) == 0) s.shm_names.insert(e->d_name);
+    if (std::string(e->d_name).rfind(prefix, 0) == 0 && MaybeMadeHere(e->d_name)) {
+      s.shm_names.insert(e->d_name);
+    }
   }
   closedir(d);
 }
