@@ -81,6 +81,17 @@ bool FileExists(const std::string& p) {
   return stat(p.c_str(), &st) == 0;
 }
 
+// The name of a named block's segment. Export() takes a reference in flight for a receiver that
+// never comes here: import it back, so that it is adopted and dropped at once. Otherwise the
+// segment's count never reaches zero and its name stays in /dev/shm until the process exits
+// (found by the leak check).
+std::string NameOf(const std::shared_ptr<internal::SharedBlock>& block) {
+  internal::SharedBlock::Handle h = block->Export();
+  const std::string name = h.name;
+  SharedArena::Get().Import(std::move(h));
+  return name;
+}
+
 // ---- (a) modes ----
 
 TEST(SecurityModesTest, EverySharedMemoryFileIsOwnerOnly) {
@@ -109,7 +120,7 @@ TEST(SecurityModesTest, EverySharedMemoryFileIsOwnerOnly) {
   }
   EXPECT_GE(memfds, 5) << "queue ring, lock, segment, arena block and spill memfds";
   EXPECT_GE(named, 1);
-  const std::string name = named_block->Export().name;
+  const std::string name = NameOf(named_block);
   struct stat st;
   ASSERT_EQ(stat(("/dev/shm" + name).c_str(), &st), 0) << name;
   EXPECT_EQ(st.st_mode & 07777, 0600u) << name;
@@ -156,7 +167,7 @@ TEST(SecurityNamesTest, NamedSegmentsCarry128RandomBits) {
   std::vector<std::shared_ptr<internal::SharedBlock>> blocks;
   for (int i = 0; i < 4; ++i) {
     blocks.push_back(SharedArena::Get().Allocate(1024, SegmentKind::kNamed, false));
-    const std::string name = blocks.back()->Export().name;
+    const std::string name = NameOf(blocks.back());
     ASSERT_TRUE(StartsWith(name, prefix)) << name;
     const std::string random = name.substr(prefix.size());
     EXPECT_EQ(random.size(), 32u) << name << ": 128 bits in hex";
@@ -194,7 +205,7 @@ TEST(SecurityNamesTest, AForkedChildDoesNotRepeatItsParentsNames) {
   forksafe::testing::ChildResult r = forksafe::testing::RunInChild(
       [&] {
         auto b = SharedArena::Get().Allocate(1024, SegmentKind::kNamed, false);
-        const std::string n = b->Export().name;
+        const std::string n = NameOf(b);
         writer.send(n.substr(SharedArena::NamePrefix().size()));
         return 0;
       },
@@ -202,7 +213,7 @@ TEST(SecurityNamesTest, AForkedChildDoesNotRepeatItsParentsNames) {
   ASSERT_TRUE(r.ok()) << r.Describe();
   const std::string child_random = reader.recv<std::string>();
   auto mine = SharedArena::Get().Allocate(1024, SegmentKind::kNamed, false);
-  const std::string my_random = mine->Export().name.substr(SharedArena::NamePrefix().size());
+  const std::string my_random = NameOf(mine).substr(SharedArena::NamePrefix().size());
   EXPECT_EQ(child_random.size(), 32u);
   EXPECT_NE(child_random, my_random);
 }
@@ -366,7 +377,7 @@ TEST(ServerAuthTest, ShmManagerRefusesAClientWithoutItsSecret) {
   // The library's own manager still works: a file_system segment round trip.
   auto block = SharedArena::Get().Allocate(1024, SegmentKind::kNamed, false);
   EXPECT_GT(internal::ShmManagerPid(), 0);
-  EXPECT_TRUE(FileExists("/dev/shm" + block->Export().name));
+  EXPECT_TRUE(FileExists("/dev/shm" + NameOf(block)));
 }
 
 }  // namespace
