@@ -10,8 +10,10 @@ cd "$(dirname "$0")/.."
 bash tools/install_deps.sh || exit 1
 
 log="$(mktemp)"
-trap 'rm -f "$log"' EXIT
+started="$(mktemp)"  # its mtime marks the start of this run (see the /dev/shm check below)
+trap 'rm -f "$log" "$started"' EXIT
 passed=0; failed=0; skipped=0
+leak_checked=0; leak_found=0
 status=0
 
 # Runs the suite once with the given flags and adds its GoogleTest counts to the totals.
@@ -52,6 +54,13 @@ while read -r target result _; do
     f=1  # crashed, timed out or did not build: count the target as one failure
   fi
   passed=$((passed + t - f - s)); failed=$((failed + f)); skipped=$((skipped + s))
+  # The leak check (tests/support/leak_check.h) ends each binary with
+  # "forksafe leak check: N test(s) checked, M leaked, ...".
+  if [ -f "$testlogs/$rel/test.log" ] && [ -f "$xml" ]; then
+    read -r lc lk < <(sed -n 's/^forksafe leak check: \([0-9]*\) test(s) checked, \([0-9]*\) leaked.*/\1 \2/p' \
+                        "$testlogs/$rel/test.log" | tail -1)
+    leak_checked=$((leak_checked + ${lc:-0})); leak_found=$((leak_found + ${lk:-0}))
+  fi
 done < <(grep -E '^//[^ ]+ +(\(cached\) +)?(PASSED|FAILED|TIMEOUT|FLAKY|INCOMPLETE|NO STATUS|FAILED TO BUILD)' "$log" \
          | sed -E 's/\(cached\) +//; s/FAILED TO BUILD/FAILED_TO_BUILD/; s/NO STATUS/NO/')
 }
@@ -67,25 +76,24 @@ if [ -n "${FORKSAFE_SOAK_SCALE:-}" ]; then
   grep '^soak:' "$log" || echo "no figures: the soak tests did not run"
 fi
 
-# Nothing may be left in /dev/shm by the tests (named segments of the file_system strategy whose
-# creator is gone). Give the shm managers a moment to finish, then count what remains.
+# Nothing may be left in /dev/shm by the tests (named segments of the file_system strategy).
+# Every test has ended by now, so any forksafe_* entry created during this run is a leftover. The
+# pid in a name is no guide here: sandboxed tests have their own pid numbering. Give the shm
+# managers a moment to finish, then count what remains. (A forksafe program running beside this
+# run would be counted too: run the suite alone.)
 leftover=0
 for _ in 1 2 3 4 5 6 7 8 9 10; do
-  leftover=0
-  for f in /dev/shm/forksafe_*; do
-    [ -e "$f" ] || continue
-    pid="${f#/dev/shm/forksafe_}"; pid="${pid%%_*}"
-    if ! kill -0 "$pid" 2>/dev/null; then leftover=$((leftover + 1)); fi
-  done
+  leftover="$(find /dev/shm -maxdepth 1 -name 'forksafe_*' -newer "$started" 2>/dev/null | wc -l)"
   [ "$leftover" -eq 0 ] && break
   sleep 1
 done
 if [ "$leftover" -ne 0 ]; then
-  echo "forksafe: $leftover shared-memory segment(s) of exited processes were left in /dev/shm:" >&2
-  ls -l /dev/shm/forksafe_* >&2
+  echo "forksafe: $leftover shared-memory segment(s) made by this run were left in /dev/shm:" >&2
+  find /dev/shm -maxdepth 1 -name 'forksafe_*' -newer "$started" -exec ls -l {} + >&2
   failed=$((failed + 1))
   status=1
 fi
 echo
+echo "leak check: $leak_checked test(s) checked for descriptors, children, /dev/shm entries and mappings left behind; $leak_found leaked"
 echo "$passed passed, $failed failed, $skipped skipped"
 exit "$status"
