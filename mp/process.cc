@@ -200,9 +200,11 @@ struct Process::Impl {
         ReadReports(deadline);
       }
       if (!server_reported_exit) {
-        // The server died before reporting (it dies with us, or was killed): the child's fate is
-        // unknown; it dies by the lifeline, so record it as killed.
+        // The server died (killed) before reporting, and the child has closed its end of the
+        // channel too: it has exited, with a status nobody can read now (it was not our child).
+        // Record it as killed, and reap the server so that the next request starts a new one.
         wait_status = SIGKILL;  // WIFSIGNALED encoding: the low 7 bits hold the signal
+        internal::ForkServerReapIfDead();
       }
       state = State::kExited;
       return true;

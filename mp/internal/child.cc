@@ -311,24 +311,84 @@ const bool g_server_handler = [] {
   return true;
 }();
 
+// Forgets the server: closes its socket, kills it (a no-op when it is dead already) and reaps it.
+// It is our child and not reaped yet, so its pid cannot belong to another process. Holds s.mu.
+void ForgetServerLocked(ForkServer& s) {
+  s.requests.close();
+  s.requests = Connection();
+  if (s.pid > 0) {
+    pid_t r;
+    do {
+      r = waitpid(s.pid, nullptr, WNOHANG);
+    } while (r < 0 && errno == EINTR);
+    if (r == 0) {  // still running (it may be exiting): end it
+      ::kill(s.pid, SIGKILL);
+      while (waitpid(s.pid, nullptr, 0) < 0 && errno == EINTR) {
+      }
+    }
+  }
+  s.pid = 0;
+}
+
+// Reaps and forgets the server if it has exited (killed by the OOM killer or by hand), so that the
+// next request starts a fresh one instead of failing on its closed socket. Holds s.mu.
+void ForgetServerIfDeadLocked(ForkServer& s) {
+  if (s.pid == 0) return;
+  pid_t r;
+  do {
+    r = waitpid(s.pid, nullptr, WNOHANG);
+  } while (r < 0 && errno == EINTR);
+  if (r == 0) return;  // running
+  s.pid = 0;  // reaped just now (or by someone else): never signal that pid again
+  ForgetServerLocked(s);
+}
+
 }  // namespace
+
+void ForkServerReapIfDead() {
+  ForkServer& s = TheServer();
+  std::lock_guard<std::mutex> lk(s.mu);
+  ForgetServerIfDeadLocked(s);
+}
 
 pid_t ForkServerRun(Message request) {
   ForkServer& s = TheServer();
   std::lock_guard<std::mutex> lk(s.mu);
-  if (s.pid == 0) {
-    auto [ours, theirs] = Pipe(true);
-    std::string secret = NewServerSecret();
-    FileDescriptor secret_pipe = SecretPipe(secret);
-    s.pid = SpawnExecutable(kServerFlag, theirs.fileno(), secret_pipe.get());
-    secret_pipe.reset();
-    theirs.close();
-    s.requests = ours;
-    SendServerHello(s.requests, secret);
-    explicit_bzero(secret.data(), secret.size());
+  ForgetServerIfDeadLocked(s);
+  for (int attempt = 0;; ++attempt) {
+    if (s.pid == 0) {
+      auto [ours, theirs] = Pipe(true);
+      std::string secret = NewServerSecret();
+      FileDescriptor secret_pipe = SecretPipe(secret);
+      s.pid = SpawnExecutable(kServerFlag, theirs.fileno(), secret_pipe.get());
+      secret_pipe.reset();
+      theirs.close();
+      s.requests = ours;
+      SendServerHello(s.requests, secret);
+      explicit_bzero(secret.data(), secret.size());
+    }
+    try {
+      s.requests.SendMessage(request);
+      break;
+    } catch (const Error& e) {
+      // The server died before it could read the request (after the check above): nothing was
+      // forked for it, so a fresh server may take it, once.
+      ForgetServerLocked(s);
+      if (e.code() != ErrorCode::kClosed || attempt > 0) throw;
+    }
   }
-  s.requests.SendMessage(request);
-  Message reply = s.requests.RecvMessage(std::chrono::duration<double>(30));
+  Message reply;
+  try {
+    reply = s.requests.RecvMessage(std::chrono::duration<double>(30));
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kClosed) throw;
+    // It died with the request: whether it forked the child is unknown, so do not retry.
+    ForgetServerLocked(s);
+    throw Error(ErrorCode::kUnavailable,
+                "the fork server died while it was starting the process (killed, or out of "
+                "memory); the process may not have started. Start it again: a new fork server "
+                "is started on the next request");
+  }
   const int32_t pid = DecodeAs<int32_t>(reply);
   if (pid <= 0) {
     throw Error(ErrorCode::kInternal,

@@ -58,9 +58,12 @@ void EnableThrowTraceCapture(bool on);
 std::string LastThrowTrace();
 
 // ---- fork server ------------------------------------------------------------------------------
-/// The running fork server of this process (started on first use): sends a request and returns
-/// the pid of the new child.
+/// The running fork server of this process (started on first use, and again after it died):
+/// sends a request and returns the pid of the new child. Throws kUnavailable when the server died
+/// with the request (the child may or may not have started).
 pid_t ForkServerRun(Message request);
+/// Reaps and forgets the fork server if it died (the next request starts a new one).
+void ForkServerReapIfDead();
 
 /// A C++ type name made readable ("std::runtime_error").
 std::string Demangle(const char* mangled);
