@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <vector>
@@ -59,10 +60,30 @@ void SendAll(int sock, const char* data, size_t len, const std::vector<int>& fds
   }
 }
 
-// Reads exactly `len` bytes; collects descriptors that arrive. Returns false on EOF before the
-// first byte (clean end of stream); throws on EOF in the middle.
-bool RecvAll(int sock, char* data, size_t len, std::vector<FileDescriptor>* fds) {
-  size_t off = 0;
+bool PollFd(int fd, short events, Timeout timeout, const char* what);
+
+// A message started but did not finish in time: the stream cannot be resumed (the caller closed
+// the connection).
+[[noreturn]] void ThrowTornTimeout(double seconds, size_t arrived, const std::string& of) {
+  throw Error(ErrorCode::kDeadlineExceeded,
+              absl::StrCat("recv: a message started but did not finish within ", seconds, " s (",
+                           arrived, " of ", of, " bytes arrived: the sender stalled, or died "
+                           "while another process holds its end open); the connection was "
+                           "closed, since the rest of the stream cannot be trusted"));
+}
+
+enum class Received { kAll, kEndOfStream, kTimedOut };
+
+// Reads exactly `len` bytes; collects descriptors that arrive. kEndOfStream on EOF before the
+// first byte (clean end of stream); throws on EOF in the middle. With a deadline, kTimedOut when
+// it passes first (`*got` bytes were read by then).
+Received RecvAll(int sock, char* data, size_t len, std::vector<FileDescriptor>* fds,
+                 const internal::Deadline& deadline, size_t* got) {
+  size_t& off = *got;
+  off = 0;
+  // With a deadline the socket is read without blocking, and polled (until the deadline) only
+  // when it has nothing to give: no extra system call while data is there.
+  const int flags = MSG_CMSG_CLOEXEC | (deadline.has_value() ? MSG_DONTWAIT : 0);
   while (off < len) {
     iovec iov{data + off, len - off};
     alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * Connection::kMaxDescriptors)];
@@ -71,22 +92,28 @@ bool RecvAll(int sock, char* data, size_t len, std::vector<FileDescriptor>* fds)
     mh.msg_iovlen = 1;
     mh.msg_control = cbuf;
     mh.msg_controllen = sizeof(cbuf);
-    const ssize_t n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+    const ssize_t n = recvmsg(sock, &mh, flags);
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        const double left = std::max(
+            0.0, std::chrono::duration<double>(*deadline - internal::Clock::now()).count());
+        if (!PollFd(sock, POLLIN, left, "recv")) return Received::kTimedOut;
+        continue;
+      }
       if (errno == ECONNRESET) ThrowPeerClosed("recv");
       runtime::ThrowSystemError("recv on a connection", errno);
     }
     internal::CollectDescriptors(mh, fds);
     if (n == 0) {
-      if (off == 0) return false;
+      if (off == 0) return Received::kEndOfStream;
       throw Error(ErrorCode::kClosed,
                   absl::StrCat("recv: the peer closed the connection in the middle of a message (",
                                off, " of ", len, " bytes arrived)"));
     }
     off += static_cast<size_t>(n);
   }
-  return true;
+  return Received::kAll;
 }
 
 bool PollFd(int fd, short events, Timeout timeout, const char* what) {
@@ -169,13 +196,29 @@ Message Connection::RecvMessage(Timeout timeout) {
   }
   std::lock_guard<std::mutex> lk(s.recv_mu);
   const int sock = s.fd.get();
+  // The timeout bounds the whole message, not only its first byte: a peer that sent part of a
+  // message and stalls (or whose end another process keeps open) must not hang the reader.
+  const internal::Deadline deadline = internal::DeadlineAfter(timeout, "recv");
   if (timeout.has_value() && !PollFd(sock, POLLIN, timeout, "recv")) {
     throw Error(ErrorCode::kDeadlineExceeded,
                 absl::StrCat("recv: no message arrived within ", timeout->count(), " s"));
   }
   Message msg;
   FrameHeader h;
-  if (!RecvAll(sock, reinterpret_cast<char*>(&h), sizeof(h), &msg.fds)) ThrowPeerClosed("recv");
+  size_t got = 0;
+  switch (RecvAll(sock, reinterpret_cast<char*>(&h), sizeof(h), &msg.fds, deadline, &got)) {
+    case Received::kEndOfStream:
+      ThrowPeerClosed("recv");
+    case Received::kTimedOut:
+      if (got == 0) {
+        throw Error(ErrorCode::kDeadlineExceeded,
+                    absl::StrCat("recv: no message arrived within ", timeout->count(), " s"));
+      }
+      s.fd.reset();
+      ThrowTornTimeout(timeout->count(), got, absl::StrCat("at least ", sizeof(h)));
+    case Received::kAll:
+      break;
+  }
   if (h.magic != kMagic || h.nfds > kMaxDescriptors) {
     s.fd.reset();
     throw Error(ErrorCode::kInvalidArgument,
@@ -190,8 +233,19 @@ Message Connection::RecvMessage(Timeout timeout) {
                              "with set_max_message_bytes() on both ends"));
   }
   msg.bytes.resize(h.length);
-  if (h.length > 0 && !RecvAll(sock, msg.bytes.data(), h.length, &msg.fds)) {
-    ThrowPeerClosed("recv");
+  if (h.length > 0) {
+    switch (RecvAll(sock, msg.bytes.data(), h.length, &msg.fds, deadline, &got)) {
+      case Received::kEndOfStream:
+        throw Error(ErrorCode::kClosed,
+                    absl::StrCat("recv: the peer closed the connection in the middle of a "
+                                 "message (", sizeof(h), " of ", sizeof(h) + h.length,
+                                 " bytes arrived)"));
+      case Received::kTimedOut:
+        s.fd.reset();
+        ThrowTornTimeout(timeout->count(), sizeof(h) + got, std::to_string(sizeof(h) + h.length));
+      case Received::kAll:
+        break;
+    }
   }
   if (msg.fds.size() != h.nfds) {
     throw Error(ErrorCode::kInvalidArgument,

@@ -14,7 +14,8 @@
 //     several threads may send (or receive) on the same connection without interleaving.
 //   - Fork: a forked child inherits the connection and may use it; spawned children receive it as
 //     a Process argument (it serializes its descriptor out of band).
-//   - Errors: a peer that closed its end -> Error(kClosed); use after close() -> Error(kClosed);
+//   - Errors: a peer that closed its end -> Error(kClosed), also in the middle of a message (the
+//     error says how much of it arrived); use after close() -> Error(kClosed);
 //     a message over max_message_bytes() -> Error(kInvalidArgument) at the sender (nothing is sent)
 //     or Error(kResourceExhausted) at the receiver (the connection is then closed, since the rest
 //     of the stream cannot be trusted); negative timeouts -> Error(kInvalidArgument).
@@ -70,7 +71,9 @@ class Connection {
 
   /// Sends a prepared message (bytes + descriptors).
   void SendMessage(const Message& msg);
-  /// Receives one message, waiting at most `timeout`; Error(kDeadlineExceeded) on timeout.
+  /// Receives one message, waiting at most `timeout` for all of it; Error(kDeadlineExceeded) on
+  /// timeout. When part of a message had arrived by then (the sender stalled mid-message), the
+  /// connection is also closed: the rest of the stream cannot be trusted.
   Message RecvMessage(Timeout timeout);
 
   /// True when a message (or end-of-stream) can be read without blocking, waiting at most
