@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -341,10 +342,29 @@ struct WorkerSetup {
   std::string init_entry;             // spawn/forkserver: args arrive on the connection
   std::map<uint64_t, std::shared_ptr<const LocalRunner>> locals;  // fork
   int close_fd = -1;                  // fork: the parent's end, inherited
+  // fork: descriptors of other tasks' inputs that were waiting in the parent at the fork; the
+  // worker closes each one that is still the same file (device and inode), so that it does not
+  // keep a task's Connection open (its reader would never see end-of-file).
+  struct InheritedFd {
+    int fd;
+    dev_t dev;
+    ino_t ino;
+  };
+  std::vector<InheritedFd> close_inherited;
 };
+
+// Records `fd` (and the file it is) to be closed in a forked worker.
+void AddInherited(std::vector<WorkerSetup::InheritedFd>* out, int fd) {
+  struct stat st;
+  if (fd >= 0 && fstat(fd, &st) == 0) out->push_back({fd, st.st_dev, st.st_ino});
+}
 
 void RunWorker(Connection conn, const WorkerSetup& s) {
   if (s.close_fd >= 0) ::close(s.close_fd);  // so that the parent's exit reads as end-of-file
+  for (const WorkerSetup::InheritedFd& f : s.close_inherited) {
+    struct stat st;
+    if (fstat(f.fd, &st) == 0 && st.st_dev == f.dev && st.st_ino == f.ino) ::close(f.fd);
+  }
   EnableThrowTraceCapture(true);
   try {
     if (s.initializer) {
@@ -592,6 +612,17 @@ struct Pool::Impl {
         std::lock_guard<std::mutex> lk(mu);  // copied here; nothing is held across the fork
         s.locals = locals;
         w.generation = next_local_id;
+        for (const Chunk& c : pending) {
+          for (const FileDescriptor& f : c.payload.fds) {
+            internal::AddInherited(&s.close_inherited, f.get());
+          }
+        }
+      }
+      for (const Worker& o : workers) {  // a chunk that could not be delivered waits there
+        if (!o.held) continue;
+        for (const FileDescriptor& f : o.held->payload.fds) {
+          internal::AddInherited(&s.close_inherited, f.get());
+        }
       }
       s.close_fd = parent_end.fileno();
       w.proc = std::make_unique<Process>(
