@@ -147,10 +147,13 @@ void SpawnTarget(int i, int fault, Connection out) {
 FORKSAFE_ENTRY_POINT(SpawnTarget);
 
 // Pool: the task with x == victim misbehaves (after a torn message its worker exits: a child that
-// closed its pipe mid-message and left); the others return x * 10.
+// closed its pipe mid-message and left); the others return x * 10. Before a torn message the
+// victim waits for the test's word on `out`: the test has closed its own copy of the writing end
+// by then, so that the replacement worker (forked under "fork") cannot inherit it from the test.
 int PoolTask(int x, int victim, int fault, Connection out) {
   if (x == victim) {
     const Fault f = static_cast<Fault>(fault);
+    if (f == kTornMessage) out.recv<int>();
     Misbehave(f, out);
     if (f == kTornMessage) _exit(0);
   }
@@ -265,6 +268,43 @@ bool ShmEntryExists(const std::string& name) {
   return access(("/dev/shm/" + name).c_str(), F_OK) == 0;
 }
 
+// The head of a segment (mp/internal/shared_arena.cc's SegmentHeader).
+struct SegmentHead {
+  uint64_t magic, size, id;
+  int32_t creator;
+  int32_t live_refs;
+  uint64_t pid_ns;
+};
+constexpr uint64_t kSegmentMagic = 0x66736172656e6131ull;
+
+uint64_t ThisPidNamespaceId() {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+// Whether segment `name` was made in this PID namespace (its header says so). Segments of other
+// namespaces (concurrent sandboxes, whose pids repeat ours) are not this test's to judge.
+bool MadeInThisPidNamespace(const std::string& name) {
+  const int fd = shm_open(("/" + name).c_str(), O_RDONLY | O_CLOEXEC, 0);
+  if (fd < 0) return false;
+  SegmentHead h{};
+  const bool ok = pread(fd, &h, sizeof(h), 0) == static_cast<ssize_t>(sizeof(h));
+  close(fd);
+  return ok && h.magic == kSegmentMagic && h.pid_ns == ThisPidNamespaceId();
+}
+
+// Writes a segment named for creator `pid` whose header records `pid_ns`; returns its name.
+std::string FakeSegment(pid_t pid, uint64_t pid_ns) {
+  const SegmentHead h{kSegmentMagic, 4096, 1, static_cast<int32_t>(pid), 1, pid_ns};
+  static int n = 0;
+  const std::string name = "forksafe_" + std::to_string(pid) + "_fault_matrix_" + std::to_string(++n);
+  const int fd = shm_open(("/" + name).c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) return "";
+  const bool ok = ftruncate(fd, 4096) == 0 && pwrite(fd, &h, sizeof(h), 0) == sizeof(h);
+  close(fd);
+  return ok ? name : "";
+}
+
 bool Gone(pid_t pid) { return kill(pid, 0) != 0 && errno == ESRCH; }
 
 // Gone within `limit`: for a process that is not our child, whose zombie its reaper (init, a
@@ -308,7 +348,8 @@ class LeakSnapshot {
     creators.push_back(getpid());
     for (pid_t c : creators) {
       for (const std::string& name : ShmEntriesOf(c)) {
-        if (shm_.count(name) != 0) continue;  // there before the cell
+        if (shm_.count(name) != 0) continue;              // there before the cell
+        if (!MadeInThisPidNamespace(name)) continue;      // another sandbox's pid, not ours
         out.push_back("/dev/shm entry " + name + " left by " +
                       (c == getpid() ? std::string("this process") : "child " + std::to_string(c)));
       }
@@ -540,6 +581,7 @@ void FaultMatrixTest::RunPoolCell(std::vector<pid_t>* pids) {
   std::vector<AsyncResult<int>> rs;
   for (int i = 0; i < kTasks; ++i) rs.push_back(pool.apply_async(&PoolTask, i, kVictim, f, theirs));
   theirs.close();  // the tasks carry their own copies
+  if (fault() == kTornMessage) ours.send(1);  // the victim may go on
   pid_t hung = 0;
   if (fault() == kHang) {
     ASSERT_TRUE(ours.poll(30s)) << "the hanging task never started";
@@ -687,15 +729,18 @@ TEST(LeakSnapshotTest, SeesWhatACellLeaves) {
   }
   {
     const LeakSnapshot s;
-    const std::string name = "/forksafe_" + std::to_string(getpid()) + "_leak_self_test";
-    const int fd = shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
-    ASSERT_GE(fd, 0);
-    close(fd);
+    const std::string name = FakeSegment(getpid(), ThisPidNamespaceId());
+    ASSERT_FALSE(name.empty());
     std::vector<std::string> p = s.Problems({});
     ASSERT_EQ(p.size(), 1u);
-    EXPECT_EQ(p[0], "/dev/shm entry " + name.substr(1) + " left by this process");
-    shm_unlink(name.c_str());
+    EXPECT_EQ(p[0], "/dev/shm entry " + name + " left by this process");
+    shm_unlink(("/" + name).c_str());
     EXPECT_TRUE(s.Problems({}).empty());
+    // The same name made in another PID namespace (a sandbox whose pids repeat ours) is not ours.
+    const std::string foreign = FakeSegment(getpid(), ThisPidNamespaceId() + 1);
+    ASSERT_FALSE(foreign.empty());
+    EXPECT_TRUE(s.Problems({}).empty());
+    shm_unlink(("/" + foreign).c_str());
   }
 }
 
@@ -1014,11 +1059,14 @@ TEST(PoolForkTest, AReplacementWorkerDoesNotHoldOtherTasksDescriptors) {
     Pool pool(po);
     auto [ours, theirs] = Pipe();
     auto [spare_r, spare_w] = Pipe();
-    // The only worker dies; the second task waits with `theirs` until the replacement is forked.
-    AsyncResult<int> lost = pool.apply_async(&PoolTask, 0, 0, static_cast<int>(kSigkill), spare_w);
+    // The only worker dies (once told to: this process holds no writing end by then); the second
+    // task waits with `theirs` until the replacement is forked.
+    AsyncResult<int> lost =
+        pool.apply_async(&PoolTask, 0, 0, static_cast<int>(kTornMessage), spare_w);
     AsyncResult<int> next = pool.apply_async(&PoolTask, 1, -1, static_cast<int>(kThrow), theirs);
     theirs.close();
     spare_w.close();
+    spare_r.send(1);
     EXPECT_THROW(lost.get(30s), WorkerLostError);
     EXPECT_EQ(next.get(30s), 10);
     ASSERT_EQ(pool.pids().size(), 1u);
