@@ -11,8 +11,10 @@
 //   segments) serialize it out of band through FileDescriptor.
 //
 // Guarantees
-//   - Decode never trusts the bytes: malformed or truncated input, or a descriptor index out of
-//     range, throws Error(kInvalidArgument); it never reads out of bounds.
+//   - Decode never trusts the bytes: malformed or truncated input, a length field longer than
+//     the bytes left, a bool that is not 0 or 1, or a descriptor index out of range, throws
+//     Error(kInvalidArgument); it never reads out of bounds and allocates at most a small
+//     multiple of the message's size (mp/internal/bounded_archive.h).
 //   - Descriptors are dup()ed into the message on encode and owned by it; decode transfers
 //     ownership to the decoded FileDescriptor objects; whatever is not claimed is closed with the
 //     Message. Nothing leaks on any path.
@@ -35,6 +37,7 @@
 #include "cereal/types/tuple.hpp"
 #include "cereal/types/utility.hpp"
 #include "cereal/types/vector.hpp"
+#include "mp/internal/bounded_archive.h"
 #include "runtime/error.h"
 
 namespace forksafe::mp {
@@ -163,11 +166,12 @@ Message Encode(const Ts&... values) {
 /// refer to. Throws Error(kInvalidArgument) on malformed input or leftover bytes.
 template <class... Ts>
 void Decode(Message& msg, Ts&... values) {
-  std::istringstream is(msg.bytes, std::ios::binary);
+  size_t left = 0;
   try {
     internal::ScopedCodecContext ctx(&msg.fds);
-    cereal::BinaryInputArchive ar(is);
+    internal::BoundedInputArchive ar(msg.bytes);
     (ar(values), ...);
+    left = ar.remaining();
   } catch (const cereal::Exception& e) {
     internal::ThrowMalformed(e.what());
   } catch (const std::length_error& e) {
@@ -175,7 +179,7 @@ void Decode(Message& msg, Ts&... values) {
   } catch (const std::bad_alloc&) {
     internal::ThrowMalformed("a length field asks for more memory than exists");
   }
-  if (is.peek() != std::char_traits<char>::eof()) internal::ThrowMalformed("trailing bytes");
+  if (left != 0) internal::ThrowMalformed("trailing bytes");
 }
 
 /// Decodes one value of type T.

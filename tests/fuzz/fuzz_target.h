@@ -1,0 +1,48 @@
+// tests/fuzz/fuzz_target.h: what every fuzz target in tests/fuzz/ defines.
+//
+// Each target is one .cc file with
+//   - LLVMFuzzerTestOneInput: the libFuzzer entry point; decodes the input as bytes that came
+//     from another process and must return normally for every input (a decoder error is a
+//     runtime::Error, caught there);
+//   - Seeds(): a few small valid inputs with the value each decodes to, which become the seed
+//     corpus tests/fuzz/corpus/<target>/ (replay_test.cc writes them when asked);
+//   - Describe(): decodes an input and prints the result in the form Seeds() gives as expected,
+//     or "error: <code name>".
+// The same file links into a libFuzzer binary (tools/fuzz.sh) and into a gtest (replay_test.cc)
+// that replays the corpus and tests/fuzz/regressions/<target>/ through the entry point.
+#ifndef FORKSAFE_TESTS_FUZZ_FUZZ_TARGET_H_
+#define FORKSAFE_TESTS_FUZZ_FUZZ_TARGET_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "runtime/error.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
+
+namespace forksafe::fuzz {
+
+/// A seed input: its corpus file name, its bytes and what Describe() says of it.
+struct Seed {
+  std::string name;
+  std::string bytes;
+  std::string expected;
+};
+
+/// The target's valid seeds.
+std::vector<Seed> Seeds();
+
+/// Decodes `input` as the target does and describes the value (or "error: <code>").
+std::string Describe(std::string_view input);
+
+/// "error: <code name>" for `e`.
+inline std::string ErrorText(const runtime::Error& e) {
+  return std::string("error: ") + runtime::ErrorCodeName(e.code());
+}
+
+}  // namespace forksafe::fuzz
+
+#endif  // FORKSAFE_TESTS_FUZZ_FUZZ_TARGET_H_
