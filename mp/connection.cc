@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "mp/internal/framing.h"
 #include "mp/internal/scm_rights.h"
 #include "mp/internal/shm_sync.h"
 #include "runtime/error.h"
@@ -20,13 +21,8 @@ namespace {
 using runtime::Error;
 using runtime::ErrorCode;
 
-constexpr uint32_t kMagic = 0x464D5350;  // "FSMP"
-
-struct FrameHeader {
-  uint32_t magic;
-  uint32_t nfds;
-  uint64_t length;
-};
+using internal::FrameHeader;
+using internal::kFrameMagic;
 
 [[noreturn]] void ThrowPeerClosed(const char* what) {
   throw Error(ErrorCode::kClosed,
@@ -172,7 +168,7 @@ void Connection::SendMessage(const Message& msg) {
   std::vector<int> fds;
   fds.reserve(msg.fds.size());
   for (const FileDescriptor& f : msg.fds) fds.push_back(f.get());
-  FrameHeader h{kMagic, static_cast<uint32_t>(fds.size()), msg.bytes.size()};
+  FrameHeader h{kFrameMagic, static_cast<uint32_t>(fds.size()), msg.bytes.size()};
   std::lock_guard<std::mutex> lk(s.send_mu);
   const int sock = s.fd.get();
   if (msg.bytes.size() <= 64 * 1024) {
@@ -204,9 +200,9 @@ Message Connection::RecvMessage(Timeout timeout) {
                 absl::StrCat("recv: no message arrived within ", timeout->count(), " s"));
   }
   Message msg;
-  FrameHeader h;
+  char raw[sizeof(FrameHeader)];
   size_t got = 0;
-  switch (RecvAll(sock, reinterpret_cast<char*>(&h), sizeof(h), &msg.fds, deadline, &got)) {
+  switch (RecvAll(sock, raw, sizeof(raw), &msg.fds, deadline, &got)) {
     case Received::kEndOfStream:
       ThrowPeerClosed("recv");
     case Received::kTimedOut:
@@ -215,22 +211,17 @@ Message Connection::RecvMessage(Timeout timeout) {
                     absl::StrCat("recv: no message arrived within ", timeout->count(), " s"));
       }
       s.fd.reset();
-      ThrowTornTimeout(timeout->count(), got, absl::StrCat("at least ", sizeof(h)));
+      ThrowTornTimeout(timeout->count(), got, absl::StrCat("at least ", sizeof(FrameHeader)));
     case Received::kAll:
       break;
   }
-  if (h.magic != kMagic || h.nfds > kMaxDescriptors) {
-    s.fd.reset();
-    throw Error(ErrorCode::kInvalidArgument,
-                "recv: the stream is not a forksafe message stream (bad frame header); the "
-                "connection was closed");
-  }
-  if (h.length > s.max_bytes) {
-    s.fd.reset();
-    throw Error(ErrorCode::kResourceExhausted,
-                absl::StrCat("recv: incoming message of ", h.length, " bytes exceeds the limit of ",
-                             s.max_bytes, " bytes; the connection was closed. Raise the limit "
-                             "with set_max_message_bytes() on both ends"));
+  FrameHeader h;
+  try {
+    h = internal::ParseFrameHeader(std::string_view(raw, sizeof(raw)), s.max_bytes,
+                                   kMaxDescriptors);
+  } catch (const Error&) {
+    s.fd.reset();  // the rest of the stream cannot be trusted
+    throw;
   }
   msg.bytes.resize(h.length);
   if (h.length > 0) {
@@ -247,11 +238,7 @@ Message Connection::RecvMessage(Timeout timeout) {
         break;
     }
   }
-  if (msg.fds.size() != h.nfds) {
-    throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("recv: message announced ", h.nfds, " descriptors but carried ",
-                             msg.fds.size()));
-  }
+  internal::CheckFrameDescriptors(h, msg.fds.size());
   return msg;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "mp/internal/queue_record.h"
 #include "mp/internal/scm_rights.h"
 #include "mp/internal/shared_segment.h"
 #include "mp/internal/shm_sync.h"
@@ -42,13 +43,6 @@ struct QueueShared {
 };
 
 constexpr uint64_t kQueueMagic = 0x6673717565756532ull;  // "fsqueue2"
-constexpr uint32_t kSpilled = 1u << 31;                 // record flag: payload is out of band
-
-struct RecordHeader {
-  uint32_t length;  // payload bytes in the ring (0 when spilled)
-  uint32_t nfds;    // descriptors on the side socket (kSpilled set: +1 memfd holding the payload)
-  uint64_t seq;     // sequence number of its descriptors (when nfds > 0)
-};
 
 }  // namespace internal
 
@@ -58,6 +52,9 @@ struct Queue::State {
   FileDescriptor fd_r;  // side socket: descriptors out
   FileDescriptor bell_r;  // doorbell pipe, read end: an empty queue's getters sleep on it
   FileDescriptor bell_w;  // doorbell pipe, write end: a put rings it when getters sleep
+  // The ring's size, from this process's own mapping: never re-read from shared memory, which
+  // another process could overwrite.
+  uint64_t cap = 0;
   std::mutex close_mu;
   bool closed = false;
 
@@ -68,20 +65,6 @@ struct Queue::State {
 namespace {
 
 size_t RoundUp8(size_t n) { return (n + 7) & ~size_t{7}; }
-
-void RingWrite(char* ring, uint64_t cap, uint64_t pos, const void* src, size_t n) {
-  const size_t off = pos % cap;
-  const size_t first = std::min<size_t>(n, cap - off);
-  std::memcpy(ring + off, src, first);
-  if (first < n) std::memcpy(ring, static_cast<const char*>(src) + first, n - first);
-}
-
-void RingRead(const char* ring, uint64_t cap, uint64_t pos, void* dst, size_t n) {
-  const size_t off = pos % cap;
-  const size_t first = std::min<size_t>(n, cap - off);
-  std::memcpy(dst, ring + off, first);
-  if (first < n) std::memcpy(static_cast<char*>(dst) + first, ring, n - first);
-}
 
 // Sends `fds` tagged with `seq` on the side socket without blocking. Returns false on EAGAIN.
 bool SendFds(int sock, uint64_t seq, const std::vector<int>& fds) {
@@ -138,7 +121,7 @@ std::vector<FileDescriptor> RecvFds(int sock, uint64_t seq) {
     }
     std::vector<FileDescriptor> fds;
     internal::CollectDescriptors(mh, &fds);
-    if (got == seq) return fds;
+    if (internal::ClassifyBatch(got, seq) == internal::BatchAction::kTake) return fds;
     // An orphaned batch (got < seq): close it and read on.
   }
 }
@@ -161,20 +144,6 @@ FileDescriptor SpillToMemfd(const std::string& bytes) {
     off += static_cast<size_t>(n);
   }
   return f;
-}
-
-std::string ReadMemfd(int fd) {
-  const off_t size = lseek(fd, 0, SEEK_END);
-  if (size < 0) runtime::ThrowSystemError("reading a large queue item", errno);
-  std::string out(static_cast<size_t>(size), '\0');
-  size_t off = 0;
-  while (off < out.size()) {
-    const ssize_t n = pread(fd, out.data() + off, out.size() - off, static_cast<off_t>(off));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) runtime::ThrowSystemError("reading a large queue item", n < 0 ? errno : EIO);
-    off += static_cast<size_t>(n);
-  }
-  return out;
 }
 
 // The doorbell. A getter that finds the queue empty sleeps in poll() on a pipe rather than on a
@@ -261,6 +230,7 @@ Queue::Queue(const QueueOptions& options) : state_(std::make_shared<State>()) {
   h->not_full.Init();
   h->all_done.Init();
   h->ring_bytes = ring;
+  state_->cap = ring;
   h->maxsize = options.maxsize;
   h->next_seq = 1;
   h->taken_seq = 0;
@@ -289,7 +259,13 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
   const internal::Deadline deadline =
       block ? internal::DeadlineAfter(timeout, "Queue::put") : internal::Clock::now();
   internal::QueueShared* h = s.hdr();
-  const uint64_t cap = h->ring_bytes;
+  const uint64_t cap = s.cap;
+  if (msg.bytes.size() > kMaxItemBytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("Queue::put: an item of ", msg.bytes.size(),
+                             " bytes exceeds the limit of ", kMaxItemBytes,
+                             " bytes; send large data through shared memory (a shared tensor)"));
+  }
   // Large payloads go out of band.
   bool spilled = false;
   if (msg.bytes.size() > cap / 4) {
@@ -302,7 +278,7 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
                 absl::StrCat("Queue::put: a message may carry at most ", Connection::kMaxDescriptors,
                              " descriptors"));
   }
-  const size_t need = RoundUp8(sizeof(internal::RecordHeader) + msg.bytes.size());
+  const size_t need = internal::RecordSpan(msg.bytes.size());
   std::vector<int> fds;
   for (const FileDescriptor& f : msg.fds) fds.push_back(f.get());
 
@@ -327,8 +303,8 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
         }
         ++h->next_seq;
       }
-      RingWrite(s.ring(), cap, h->head, &rec, sizeof(rec));
-      RingWrite(s.ring(), cap, h->head + sizeof(rec), msg.bytes.data(), msg.bytes.size());
+      internal::WriteRing(s.ring(), cap, h->head, &rec, sizeof(rec));
+      internal::WriteRing(s.ring(), cap, h->head + sizeof(rec), msg.bytes.data(), msg.bytes.size());
       h->head += need;  // commit
       ++h->count;
       ++h->unfinished;
@@ -353,12 +329,10 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
   const internal::Deadline deadline =
       block ? internal::DeadlineAfter(timeout, "Queue::get") : internal::Clock::now();
   internal::QueueShared* h = s.hdr();
-  const uint64_t cap = h->ring_bytes;
+  const uint64_t cap = s.cap;
   QueueLock lock(h, deadline);
   if (!lock.held()) throw Empty("Queue::get: timed out waiting for the queue's lock");
-  internal::RecordHeader rec;
-  uint32_t nfds = 0;
-  bool spilled = false;
+  internal::QueueRecord rec;
   for (;;) {
     while (h->count == 0) {
       if (deadline.has_value() && internal::Clock::now() >= *deadline) {
@@ -367,16 +341,11 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
       }
       SleepOnBell(h, s.bell_r.get(), deadline);
     }
-    RingRead(s.ring(), cap, h->tail, &rec, sizeof(rec));
-    spilled = (rec.nfds & internal::kSpilled) != 0;
-    nfds = rec.nfds & ~internal::kSpilled;
-    if (rec.length > cap || nfds > Connection::kMaxDescriptors) {
-      throw Error(ErrorCode::kInternal, "Queue::get: the queue's shared memory is corrupted");
-    }
-    if (nfds > 0 && rec.seq <= h->taken_seq) {
+    rec = internal::ParseQueueRecord(s.ring(), cap, h->head, h->tail, Connection::kMaxDescriptors);
+    if (rec.nfds > 0 && rec.seq <= h->taken_seq) {
       // A reader died after taking this message's descriptors and before committing: the message
       // went with it. Drop the record.
-      h->tail += RoundUp8(sizeof(rec) + rec.length);
+      h->tail += rec.span;
       --h->count;
       --h->unfinished;
       continue;
@@ -384,21 +353,20 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
     break;
   }
   Message msg;
-  msg.bytes.resize(rec.length);
-  RingRead(s.ring(), cap, h->tail + sizeof(rec), msg.bytes.data(), rec.length);
-  if (nfds > 0) {
+  msg.bytes = internal::ReadQueuePayload(s.ring(), cap, h->tail, rec);
+  if (rec.nfds > 0) {
     msg.fds = RecvFds(s.fd_r.get(), rec.seq);
     h->taken_seq = rec.seq;
   }
-  h->tail += RoundUp8(sizeof(rec) + rec.length);  // commit
+  h->tail += rec.span;  // commit
   --h->count;
   const bool pass_baton = h->count > 0 && __atomic_load_n(&h->get_sleepers, __ATOMIC_ACQUIRE) > 0;
   lock.Release();
   if (pass_baton) RingBell(s.bell_w.get());
   h->not_full.Broadcast();
-  if (spilled) {
+  if (rec.spilled) {
     if (msg.fds.empty()) throw Error(ErrorCode::kInternal, "Queue::get: out-of-band item lost");
-    msg.bytes = ReadMemfd(msg.fds.back().get());
+    msg.bytes = internal::ReadSpilledPayload(msg.fds.back().get(), kMaxItemBytes);
     msg.fds.pop_back();
   }
   return msg;
@@ -470,6 +438,7 @@ std::shared_ptr<void> LoadQueue(FileDescriptor seg, FileDescriptor fd_w, FileDes
       s->hdr()->ring_bytes != s->seg.size() - sizeof(QueueShared)) {
     throw Error(ErrorCode::kInvalidArgument, "malformed message: not a forksafe queue segment");
   }
+  s->cap = s->seg.size() - sizeof(QueueShared);
   s->fd_w = std::move(fd_w);
   s->fd_r = std::move(fd_r);
   if (!bell_r || !bell_w) {

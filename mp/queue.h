@@ -28,6 +28,10 @@
 //   - FIFO across all producers (the order in which put() calls took the lock).
 //   - Fork: inherited as is. Spawn/forkserver: pass the Queue as a Process argument.
 //   - Thread safety: all methods may be called from any thread of any process.
+//   - What a reader takes from shared memory and the side socket is checked before use (records
+//     inside the committed bytes, descriptor counts, batch tags, the size and kind of an
+//     out-of-band item): a corrupted queue gives Error(kInvalidArgument), never a crash or an
+//     unbounded allocation. One item is at most kMaxItemBytes (1 GiB) encoded.
 //
 // Hazard: an unbounded Queue still has a finite ring (QueueOptions::ring_bytes, 1 MiB default):
 // when it is full of small messages that nobody gets, put() waits for space (or times out).
@@ -79,6 +83,9 @@ class Queue {
   explicit Queue(const QueueOptions& options);
   /// An empty handle (for decoding into); using it throws kClosed.
   Queue(std::nullptr_t) {}
+
+  /// Largest encoded item put() accepts and get() reads (as Connection's default limit).
+  static constexpr size_t kMaxItemBytes = size_t{1} << 30;
 
   /// Puts `value`. With block, waits up to `timeout` for room; throws Full when there is none.
   template <class T>
