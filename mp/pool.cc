@@ -20,6 +20,7 @@
 #include "mp/connection.h"
 #include "mp/entry_point.h"
 #include "mp/internal/child.h"
+#include "mp/internal/pool_messages.h"
 #include "mp/internal/shm_sync.h"
 #include "runtime/error.h"
 
@@ -308,22 +309,6 @@ bool RegisterPoolRunner(const char* key, RawRunner runner) {
 
 namespace {
 
-// What a worker is asked to call.
-struct TaskFn {
-  enum Kind : int32_t { kNone = 0, kLocal = 1, kAddress = 2, kEntry = 3 };
-  int32_t kind = kNone;
-  uint64_t local_id = 0;  // kLocal
-  uint64_t fn = 0;        // kAddress: the address; kEntry: the offset in its module
-  uint64_t runner = 0;    // kAddress: the runner's address
-  std::string entry;      // kEntry: the registered name
-  std::string runner_key; // kEntry
-
-  template <class Archive>
-  void serialize(Archive& ar) {
-    ar(kind, local_id, fn, runner, entry, runner_key);
-  }
-};
-
 // Parent -> worker: Encode(kind "task"|"exit", id, TaskFn, payload bytes), payload fds attached.
 // Worker -> parent: Encode(kind, id, payload bytes), payload fds attached. Kinds: "ready" (id =
 // pid), "init_failed" (payload ChildFailure), "done" (payload: encoded results), "error"
@@ -394,14 +379,11 @@ void RunWorker(Connection conn, const WorkerSetup& s) {
     } catch (const Error&) {
       return;  // end of stream: the pool closed our connection
     }
-    std::string kind, bytes;
-    uint64_t id = 0;
-    TaskFn fn;
-    Decode(msg, kind, id, fn, bytes);
-    if (kind != "task") return;  // "exit"
-    Message in;
-    in.bytes = std::move(bytes);
-    in.fds = std::move(msg.fds);
+    PoolTask task = DecodePoolTask(std::move(msg));
+    if (task.kind != "task") return;  // "exit"
+    const uint64_t id = task.id;
+    const TaskFn& fn = task.fn;
+    Message& in = task.payload;
     Message out;
     std::string reply = "done";
     EnableThrowTraceCapture(true);  // forget earlier throws
@@ -684,12 +666,10 @@ struct Pool::Impl {
   }
 
   void Handle(Worker& w, Message& m) {
-    std::string kind, payload;
-    uint64_t id = 0;
-    Decode(m, kind, id, payload);
-    Message p;
-    p.bytes = std::move(payload);
-    p.fds = std::move(m.fds);
+    internal::PoolReply reply = internal::DecodePoolReply(std::move(m));
+    const std::string& kind = reply.kind;
+    const uint64_t id = reply.id;
+    Message& p = reply.payload;
     if (kind == "ready") {
       if (w.state == Worker::State::kStarting) w.state = Worker::State::kIdle;
       startup_failures = 0;

@@ -164,28 +164,23 @@ struct Process::Impl {
         return;
       }
       if (!ready) return;
-      std::string kind, payload;
+      internal::ChildReport report;
       try {
         Message m = result.RecvMessage(std::nullopt);
-        Decode(m, kind, payload);
+        report = internal::DecodeChildReport(m);
       } catch (...) {
         result.close();  // end-of-stream, or garbage from a dying child
         return;
       }
-      Message p;
-      p.bytes = std::move(payload);
-      try {
-        if (kind == "hello") {
-          said_hello = true;
-        } else if (kind == "failure") {
-          failure = DecodeAs<ChildFailure>(p);
-        } else if (kind == "exit") {
-          wait_status = DecodeAs<int32_t>(p);
-          server_reported_exit = true;
-          result.close();
-          return;
-        }
-      } catch (...) {
+      if (report.kind == internal::ChildReport::kHello) {
+        said_hello = true;
+      } else if (report.kind == internal::ChildReport::kFailure && report.failure) {
+        failure = std::move(report.failure);
+      } else if (report.kind == internal::ChildReport::kExit && report.wait_status) {
+        wait_status = *report.wait_status;
+        server_reported_exit = true;
+        result.close();
+        return;
       }
     }
   }

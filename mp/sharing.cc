@@ -146,10 +146,15 @@ TensorHandle ExportTensor(const device::Tensor& t) {
   return h;
 }
 
-device::Tensor ImportTensor(TensorHandle h) {
+void CheckTensorHandle(const TensorHandle& h) {
   if (h.dtype > static_cast<uint8_t>(device::DType::kBFloat16)) {
     throw Error(ErrorCode::kInvalidArgument, "malformed tensor handle: unknown dtype");
   }
+  CheckHandle(h.block);
+}
+
+device::Tensor ImportTensor(TensorHandle h) {
+  CheckTensorHandle(h);
   auto block = SharedArena::Get().Import(std::move(h.block));
   device::Storage storage;
   {

@@ -77,6 +77,10 @@ struct TensorHandle {
   }
 };
 TensorHandle ExportTensor(const device::Tensor& t);
+/// Checks what a handle from another process says before anything is mapped: a known dtype and a
+/// well-formed block handle (CheckHandle). Error(kInvalidArgument) otherwise. The view itself
+/// (shape, strides, offset) is checked against the block by Tensor::FromStorage.
+void CheckTensorHandle(const TensorHandle& h);
 device::Tensor ImportTensor(TensorHandle h);
 }  // namespace internal
 

@@ -129,14 +129,54 @@ Message EncodeRunRequest(const std::string& entry, const std::string& name, Mess
   return m;
 }
 
-RunRequest DecodeRunRequest(Message msg) {
+RunRequest DecodeRunRequest(Message msg, bool need_result) {
   RunRequest r;
   std::string kind;
   Decode(msg, kind, r.entry, r.name, r.args.bytes, r.result, r.lifeline);
   if (kind != "run") internal::ThrowMalformed("unknown request kind");
+  if (r.entry.empty()) internal::ThrowMalformed("a run request without an entry point");
+  if (!r.lifeline) internal::ThrowMalformed("a run request without a lifeline");
+  if (need_result && !r.result) internal::ThrowMalformed("a run request without a result channel");
   // What the request took is now empty; the arguments' descriptors keep their indices.
   r.args.fds = std::move(msg.fds);
   return r;
+}
+
+ChildReport DecodeChildReport(Message& msg) {
+  std::string kind, payload;
+  Decode(msg, kind, payload);
+  ChildReport r;
+  Message p;
+  p.bytes = std::move(payload);
+  if (kind == "hello") {
+    r.kind = ChildReport::kHello;
+  } else if (kind == "failure") {
+    r.kind = ChildReport::kFailure;
+    try {
+      r.failure = DecodeAs<ChildFailure>(p);
+    } catch (const Error&) {
+    }
+  } else if (kind == "exit") {
+    r.kind = ChildReport::kExit;
+    try {
+      r.wait_status = DecodeAs<int32_t>(p);
+    } catch (const Error&) {
+    }
+  }
+  return r;
+}
+
+pid_t DecodeForkServerReply(Message& msg) {
+  const int32_t pid = DecodeAs<int32_t>(msg);
+  if (pid > 0) return pid;
+  if (pid == -1) throw Error(ErrorCode::kInternal, "the fork server rejected a malformed request");
+  if (pid < 0 && pid > -4096) {
+    throw Error(ErrorCode::kInternal,
+                absl::StrCat("the fork server could not fork: ", strerror(-pid)));
+  }
+  throw Error(ErrorCode::kInvalidArgument,
+              absl::StrCat("the fork server replied ", pid, ", which is neither a pid nor an "
+                           "error number"));
 }
 
 void RunChildBody(const std::function<void()>& target, Connection result, const std::string& name) {
@@ -241,7 +281,7 @@ std::function<void()> TargetOf(RunRequest& req) {
       }
       RunRequest req;
       try {
-        req = DecodeRunRequest(std::move(msg));
+        req = DecodeRunRequest(std::move(msg), /*need_result=*/true);
       } catch (...) {
         requests.send(static_cast<int32_t>(-1));
         continue;
@@ -389,13 +429,7 @@ pid_t ForkServerRun(Message request) {
                 "memory); the process may not have started. Start it again: a new fork server "
                 "is started on the next request");
   }
-  const int32_t pid = DecodeAs<int32_t>(reply);
-  if (pid <= 0) {
-    throw Error(ErrorCode::kInternal,
-                pid == -1 ? "the fork server rejected a malformed request"
-                          : absl::StrCat("the fork server could not fork: ", strerror(-pid)));
-  }
-  return pid;
+  return DecodeForkServerReply(reply);
 }
 
 }  // namespace forksafe::mp::internal

@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "mp/codec.h"
@@ -35,7 +36,26 @@ struct RunRequest {
 };
 Message EncodeRunRequest(const std::string& entry, const std::string& name, Message args,
                          int result_fd, int lifeline_fd);
-RunRequest DecodeRunRequest(Message msg);
+/// Decodes a run request from the parent. Error(kInvalidArgument) for a malformed message, a kind
+/// other than "run", an empty entry name or a missing lifeline (and, with `need_result`, a
+/// missing result channel: the fork server has no other way to report).
+RunRequest DecodeRunRequest(Message msg, bool need_result = false);
+
+/// A report read from a child's result channel (or the fork server's, for "exit").
+struct ChildReport {
+  enum Kind { kHello, kFailure, kExit, kOther } kind = kOther;
+  std::optional<ChildFailure> failure;  // kFailure, when its payload decoded
+  std::optional<int32_t> wait_status;   // kExit, when its payload decoded
+};
+/// Decodes Encode(kind, payload). Error(kInvalidArgument) when the envelope is malformed; a
+/// malformed payload of a known kind leaves failure / wait_status empty (the report is ignored,
+/// the process's exit status still decides).
+ChildReport DecodeChildReport(Message& msg);
+
+/// Decodes the fork server's reply to a run request: the new child's pid (> 0). Error(kInternal)
+/// when the server reports that it could not fork or rejected the request, Error(kInvalidArgument)
+/// for a malformed reply.
+pid_t DecodeForkServerReply(Message& msg);
 void SendReport(Connection& c, const std::string& kind, const std::string& payload);
 
 // ---- lifeline ---------------------------------------------------------------------------------

@@ -300,10 +300,38 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
   return make(seg, off);
 }
 
+void CheckHandle(const SharedBlock::Handle& h) {
+  auto malformed = [](const char* why) {
+    return Error(ErrorCode::kInvalidArgument, absl::StrCat("malformed tensor handle: ", why));
+  };
+  switch (h.kind) {
+    case SegmentKind::kMemfd:
+      if (!h.fd) throw malformed("no descriptor");
+      return;
+    case SegmentKind::kNamed:
+      if (h.name.rfind("/forksafe_", 0) != 0 || h.name.find('/', 1) != std::string::npos ||
+          h.name.size() > 255 || h.name.find('\0') != std::string::npos) {
+        throw malformed("bad segment name");
+      }
+      return;
+  }
+  throw malformed("unknown segment kind");
+}
+
+void CheckBlockPlacement(uint64_t offset, uint64_t size, uint64_t segment_size) {
+  if (offset < kHeaderBytes + kBlockHeader || offset > segment_size ||
+      size > segment_size - offset || offset % kAlign != 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("malformed tensor handle: block outside its segment (offset ", offset,
+                             ", ", size, " bytes, in a segment of ", segment_size, " bytes)"));
+  }
+}
+
 std::shared_ptr<SharedBlock> SharedArena::Import(SharedBlock::Handle h) {
   auto malformed = [](const char* why) {
     return Error(ErrorCode::kInvalidArgument, absl::StrCat("malformed tensor handle: ", why));
   };
+  CheckHandle(h);
   Impl& a = *impl_;
   std::lock_guard<std::mutex> lk(a.mu);
   const std::string key = SegmentKey(h.kind, h.segment_id);
@@ -319,12 +347,8 @@ std::shared_ptr<SharedBlock> SharedArena::Import(SharedBlock::Handle h) {
     seg->kind = h.kind;
     int fd = -1;
     if (h.kind == SegmentKind::kMemfd) {
-      if (!h.fd) throw malformed("no descriptor");
       fd = h.fd.owned() ? h.fd.release() : FileDescriptor::Dup(h.fd.get()).release();
     } else {
-      if (h.name.rfind("/forksafe_", 0) != 0 || h.name.find('/', 1) != std::string::npos) {
-        throw malformed("bad segment name");
-      }
       fd = shm_open(h.name.c_str(), O_RDWR | O_CLOEXEC, 0600);
       if (fd < 0) {
         throw Error(ErrorCode::kNotFound,
@@ -354,10 +378,7 @@ std::shared_ptr<SharedBlock> SharedArena::Import(SharedBlock::Handle h) {
     a.recent.push_back(seg);
     if (a.recent.size() > 16) a.recent.pop_front();
   }
-  if (h.offset < kHeaderBytes + kBlockHeader || h.offset > seg->size ||
-      h.size > seg->size - h.offset) {
-    throw malformed("block outside its segment");
-  }
+  CheckBlockPlacement(h.offset, h.size, seg->size);
   BlockHeader* b = seg->block(h.offset);
   if (b->magic != kBlockMagic || h.size > b->size) throw malformed("not a block");
   // Adopt the in-flight reference the exporter took for us.

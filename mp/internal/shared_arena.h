@@ -65,6 +65,7 @@ class SharedBlock {
     void load(Archive& ar) {
       uint8_t k = 0;
       ar(k);
+      if (k > static_cast<uint8_t>(SegmentKind::kNamed)) ThrowMalformed("unknown segment kind");
       kind = static_cast<SegmentKind>(k);
       fd = FileDescriptor::LoadBorrowed(ar);  // Import dups it only for a segment new here
       ar(name, segment_id, offset, size);
@@ -84,6 +85,16 @@ class SharedBlock {
   void* data_;
   size_t size_;
 };
+
+/// Checks what a handle from another process says without touching any segment: a named
+/// segment's name must be one of forksafe's ("/forksafe_..." with no other '/'), a memfd segment
+/// must come with its descriptor. Error(kInvalidArgument) ("malformed tensor handle: ...").
+void CheckHandle(const SharedBlock::Handle& h);
+
+/// Checks that a block at `offset` (its data, after its block header) of `size` bytes lies in a
+/// segment of `segment_size` bytes, after the segment's header page, 64-byte aligned.
+/// Error(kInvalidArgument) otherwise; no arithmetic on the peer's numbers can overflow.
+void CheckBlockPlacement(uint64_t offset, uint64_t size, uint64_t segment_size);
 
 /// Counters for tests, benchmarks and diagnostics.
 struct ArenaStats {

@@ -190,6 +190,18 @@ pid_t ShmManagerPid() {
   return TheClient().pid;
 }
 
+std::optional<std::string> DecodeTrackRequest(Message& msg) {
+  std::string kind, name;
+  Decode(msg, kind, name);
+  // The name is unlinked later as "/" + name: it must stay inside forksafe's names (a NUL would
+  // cut it short to another segment's name).
+  if (kind != "track" || name.rfind("forksafe_", 0) != 0 || name.size() > 255 ||
+      name.find('/') != std::string::npos || name.find('\0') != std::string::npos) {
+    return std::nullopt;
+  }
+  return name;
+}
+
 void RunShmManager(int fd) {
   signal(SIGINT, SIG_IGN);  // a Ctrl-C for the program must not stop the cleanup
   setsid();                 // nor a signal to its process group
@@ -201,16 +213,14 @@ void RunShmManager(int fd) {
   SweepOrphanedSegments();
   std::set<std::string> names;
   for (;;) {  // while the client lives: collect its names
-    std::string kind, name;
+    std::optional<std::string> name;
     try {
       Message m = client.RecvMessage(std::nullopt);
-      Decode(m, kind, name);
+      name = DecodeTrackRequest(m);
     } catch (...) {
       break;  // end-of-file: the client exited or was killed
     }
-    if (kind == "track" && name.rfind("forksafe_", 0) == 0 && name.find('/') == std::string::npos) {
-      names.insert(name);
-    }
+    if (name) names.insert(std::move(*name));
   }
   // The client is gone: remove each of its segments once nobody references or maps it.
   auto last_scan = std::chrono::steady_clock::now() - std::chrono::seconds(10);

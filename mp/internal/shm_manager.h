@@ -21,7 +21,10 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
+
+#include "mp/codec.h"
 
 namespace forksafe::mp::internal {
 
@@ -41,6 +44,11 @@ int SweepOrphanedSegments();
 /// An identity of this process's pid namespace (the inode of /proc/self/ns/pid; 0 if unknown).
 /// Segments record their creator's, so that a sweep in another namespace leaves them alone.
 uint64_t PidNamespaceId();
+
+/// Decodes a message from the creator, Encode(kind, name): the segment name to remember for a
+/// well-formed "track" request ("forksafe_..." without '/' or NUL, at most 255 bytes), nullopt
+/// for anything else it must ignore. Error(kInvalidArgument) for a malformed message.
+std::optional<std::string> DecodeTrackRequest(Message& msg);
 
 /// The manager's main loop on descriptor `fd` (never returns).
 [[noreturn]] void RunShmManager(int fd);

@@ -1,0 +1,128 @@
+// tests/fuzz/tensor_handle_fuzz.cc: the handle of a tensor shared across processes
+// (mp/sharing.h TensorHandle, mp/internal/shared_arena.h SharedBlock::Handle), as another process
+// encodes it: dtype, shape, strides, offset, and the block (segment kind, descriptor or name,
+// segment id, offset, size).
+// Input: [segment size u64][the handle's codec bytes]. The message carries two descriptor slots
+// (/dev/null, empty). The target decodes the handle, checks it (CheckTensorHandle), places the
+// block in a segment of the given size (CheckBlockPlacement) and builds the view over a storage of
+// the block's size (Tensor::FromStorage), as ImportTensor does, without mapping anything.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "device/storage.h"
+#include "device/tensor.h"
+#include "mp/codec.h"
+#include "mp/internal/shared_arena.h"
+#include "mp/sharing.h"
+#include "tests/fuzz/fuzz_target.h"
+
+namespace forksafe::fuzz {
+namespace {
+
+using runtime::Error;
+using runtime::ErrorCode;
+namespace in = mp::internal;
+
+int DevNull() {
+  static const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  return fd;
+}
+
+mp::Message WithSlots(std::string bytes) {
+  mp::Message m;
+  m.bytes = std::move(bytes);
+  m.fds.push_back(mp::FileDescriptor::Borrow(DevNull()));
+  m.fds.emplace_back();
+  return m;
+}
+
+std::string List(const std::vector<int64_t>& v) {
+  std::ostringstream o;
+  o << '[';
+  for (size_t i = 0; i < v.size(); ++i) o << (i ? "," : "") << v[i];
+  o << ']';
+  return o.str();
+}
+
+std::string Run(std::string_view input) {
+  if (input.size() < 8) return "short";
+  uint64_t segment_size;
+  std::memcpy(&segment_size, input.data(), 8);
+  mp::Message msg = WithSlots(std::string(input.substr(8)));
+  try {
+    in::TensorHandle h = mp::DecodeAs<in::TensorHandle>(msg);
+    in::CheckTensorHandle(h);
+    in::CheckBlockPlacement(h.block.offset, h.block.size, segment_size);
+    // The view must fit in the block; nothing reads the storage's bytes.
+    static char byte;
+    device::Storage storage =
+        device::Storage::FromExternal(device::kCPU, &byte, static_cast<size_t>(h.block.size),
+                                      [](void*) {});
+    const device::Tensor t = device::Tensor::FromStorage(
+        storage, static_cast<device::DType>(h.dtype), h.shape, h.strides, h.offset);
+    std::ostringstream o;
+    o << device::DTypeName(t.dtype()) << " " << List(t.shape()) << " strides " << List(t.strides())
+      << " offset " << t.storage_offset() << " block "
+      << (h.block.kind == in::SegmentKind::kMemfd ? "memfd" : h.block.name) << " "
+      << h.block.segment_id << "@" << h.block.offset << "+" << h.block.size;
+    return o.str();
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kInvalidArgument) __builtin_trap();
+    return ErrorText(e);
+  }
+}
+
+// A handle's bytes, as ExportTensor's message would carry them (descriptor slot 0).
+std::string Input(uint64_t segment_size, uint8_t dtype, std::vector<int64_t> shape,
+                  std::vector<int64_t> strides, int64_t offset, in::SegmentKind kind,
+                  const std::string& name, uint64_t id, uint64_t block_offset, uint64_t block_size) {
+  in::TensorHandle h;
+  h.dtype = dtype;
+  h.shape = std::move(shape);
+  h.strides = std::move(strides);
+  h.offset = offset;
+  h.block.kind = kind;
+  if (kind == in::SegmentKind::kMemfd) h.block.fd = mp::FileDescriptor::Borrow(DevNull());
+  h.block.name = name;
+  h.block.segment_id = id;
+  h.block.offset = block_offset;
+  h.block.size = block_size;
+  mp::Message m = WithSlots("");
+  m.fds.clear();
+  mp::EncodeInto(m, h);
+  std::string s(8, '\0');
+  std::memcpy(s.data(), &segment_size, 8);
+  return s + m.bytes;
+}
+
+}  // namespace
+
+std::string Describe(std::string_view input) { return Run(input); }
+
+std::vector<Seed> Seeds() {
+  using in::SegmentKind;
+  return {
+      {"memfd_matrix", Input(1 << 22, 0, {2, 3}, {3, 1}, 0, SegmentKind::kMemfd, "", 7, 4160, 24),
+       "float32 [2,3] strides [3,1] offset 0 block memfd 7@4160+24"},
+      {"named_view", Input(1 << 22, 3, {4}, {2}, 1, SegmentKind::kNamed, "/forksafe_12_3", 3, 8256, 64),
+       "int64 [4] strides [2] offset 1 block /forksafe_12_3 3@8256+64"},
+      {"scalar_bool", Input(8192, 5, {}, {}, 0, SegmentKind::kMemfd, "", 1, 4160, 1),
+       "bool [] strides [] offset 0 block memfd 1@4160+1"},
+      {"empty_half", Input(8192, 6, {0, 5}, {5, 1}, 0, SegmentKind::kMemfd, "", 2, 4160, 0),
+       "float16 [0,5] strides [5,1] offset 0 block memfd 2@4160+0"},
+      {"view_too_big", Input(1 << 22, 0, {2, 3}, {3, 1}, 1, SegmentKind::kMemfd, "", 7, 4160, 24),
+       "error: invalid_argument"},
+  };
+}
+
+}  // namespace forksafe::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  (void)forksafe::fuzz::Run(std::string_view(reinterpret_cast<const char*>(data), size));
+  return 0;
+}
