@@ -13,6 +13,8 @@ PACKAGES=(
   libbenchmark-dev   # Google Benchmark 1.7
   libdlpack-dev      # DLPack 0.6 headers
   libcereal-dev      # cereal 1.3: the value codec of mp/
+  clang-14           # tools/fuzz.sh: the fuzz targets are built with clang
+  libclang-rt-14-dev # tools/fuzz.sh: libFuzzer and the sanitizer runtimes
 )
 
 missing=()

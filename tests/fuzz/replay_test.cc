@@ -7,7 +7,9 @@
 // FORKSAFE_FUZZ_WRITE_CORPUS=<dir> the binary writes Seeds() to <dir>/<target>/ and exits:
 //   bazel run //tests/fuzz:codec_test -- (with the variable set to $PWD/tests/fuzz/corpus)
 #include <dirent.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -112,5 +114,12 @@ int main(int argc, char** argv) {
     return 0;
   }
   ::testing::InitGoogleTest(&argc, argv);
+  // A watchdog, as tests/support/test_main.cc: a replay that hangs fails with a message.
+  signal(SIGALRM, [](int) {
+    static const char kMsg[] = "\n*** fuzz replay watchdog: no progress in 120 s; aborting ***\n";
+    (void)!write(2, kMsg, sizeof(kMsg) - 1);
+    _exit(124);
+  });
+  alarm(120);
   return RUN_ALL_TESTS();
 }
