@@ -27,17 +27,17 @@ using runtime::Error;
 using runtime::ErrorCode;
 namespace in = mp::internal;
 
-int DevNull() {
-  static const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-  return fd;
+// A fresh descriptor per input (closed with it), so that nothing stays open between inputs.
+mp::FileDescriptor DevNull() {
+  return mp::FileDescriptor(open("/dev/null", O_RDONLY | O_CLOEXEC));
 }
 
 mp::Message WithSlots(std::string bytes) {
   mp::Message m;
   m.bytes = std::move(bytes);
-  m.fds.push_back(mp::FileDescriptor::Borrow(DevNull()));
+  m.fds.push_back(DevNull());
   m.fds.emplace_back();
-  m.fds.push_back(mp::FileDescriptor::Borrow(DevNull()));
+  m.fds.push_back(DevNull());
   return m;
 }
 

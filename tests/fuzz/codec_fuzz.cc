@@ -22,17 +22,17 @@ namespace {
 using mp::FileDescriptor;
 using mp::Message;
 
-int DevNull() {
-  static const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-  return fd;
+// A fresh descriptor per input (closed with it), so that nothing stays open between inputs.
+FileDescriptor DevNull() {
+  return FileDescriptor(open("/dev/null", O_RDONLY | O_CLOEXEC));
 }
 
 Message WithSlots(std::string bytes) {
   Message m;
   m.bytes = std::move(bytes);
-  m.fds.push_back(FileDescriptor::Borrow(DevNull()));
+  m.fds.push_back(DevNull());
   m.fds.emplace_back();
-  m.fds.push_back(FileDescriptor::Borrow(DevNull()));
+  m.fds.push_back(DevNull());
   return m;
 }
 

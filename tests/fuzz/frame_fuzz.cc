@@ -23,9 +23,9 @@ namespace {
 using runtime::Error;
 using runtime::ErrorCode;
 
-int DevNull() {
-  static const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-  return fd;
+// A fresh descriptor per input (closed with it), so that nothing stays open between inputs.
+mp::FileDescriptor DevNull() {
+  return mp::FileDescriptor(open("/dev/null", O_RDONLY | O_CLOEXEC));
 }
 
 // Feeds `input` to a Connection and returns what it read: "msg(<bytes>,<fds>)" per message, then
@@ -41,7 +41,8 @@ std::string Run(std::string_view input) {
   {
     mp::FileDescriptor writer(sv[1]);
     const size_t nfds = control & 3;
-    std::vector<int> fds(nfds, DevNull());
+    const mp::FileDescriptor null_fd = DevNull();
+    std::vector<int> fds(nfds, null_fd.get());
     size_t off = 0;
     while (off < stream.size()) {
       iovec iov{const_cast<char*>(stream.data() + off), stream.size() - off};

@@ -4,12 +4,11 @@
 // and that the committed corpus matches Seeds().
 //
 // FORKSAFE_FUZZ_TARGET (a compile definition) names the target. With the environment variable
-// FORKSAFE_FUZZ_WRITE_CORPUS=<dir> the binary writes Seeds() to <dir>/<target>/ and exits:
-//   bazel run //tests/fuzz:codec_test -- (with the variable set to $PWD/tests/fuzz/corpus)
+// FORKSAFE_FUZZ_WRITE_CORPUS=<dir>, CommittedCorpusMatchesSeeds first writes Seeds() to
+// <dir>/<target>/ (see tests/fuzz/README.md). The main is tests/support/test_main.cc: a watchdog
+// and the leak check around every test (a decoder that leaks a descriptor fails here).
 #include <dirent.h>
-#include <signal.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -55,7 +54,12 @@ std::vector<std::string> FilesIn(const std::string& dir) {
   return out;
 }
 
-std::string CorpusDir() { return std::string("tests/fuzz/corpus/") + kTarget; }
+std::string CorpusDir() {
+  if (const char* dir = std::getenv("FORKSAFE_FUZZ_WRITE_CORPUS")) {
+    return std::string(dir) + "/" + kTarget;
+  }
+  return std::string("tests/fuzz/corpus/") + kTarget;
+}
 std::string RegressionDir() { return std::string("tests/fuzz/regressions/") + kTarget; }
 
 TEST(FuzzReplay, SeedsDecodeToTheirValues) {
@@ -69,7 +73,21 @@ TEST(FuzzReplay, SeedsDecodeToTheirValues) {
   }
 }
 
+// Writes Seeds() to $FORKSAFE_FUZZ_WRITE_CORPUS/<target>/ when the variable is set.
+void MaybeWriteCorpus() {
+  const char* dir = std::getenv("FORKSAFE_FUZZ_WRITE_CORPUS");
+  if (dir == nullptr) return;
+  const std::string out = std::string(dir) + "/" + kTarget;
+  mkdir(dir, 0755);
+  mkdir(out.c_str(), 0755);
+  for (const Seed& s : Seeds()) {
+    std::ofstream(out + "/" + s.name, std::ios::binary) << s.bytes;
+  }
+  std::printf("wrote %zu seeds to %s\n", Seeds().size(), out.c_str());
+}
+
 TEST(FuzzReplay, CommittedCorpusMatchesSeeds) {
+  MaybeWriteCorpus();
   for (const Seed& s : Seeds()) {
     const std::string path = CorpusDir() + "/" + s.name;
     struct stat st;
@@ -101,25 +119,3 @@ TEST(FuzzReplay, CorpusAndRegressionsRunCleanly) {
 
 }  // namespace
 }  // namespace forksafe::fuzz
-
-int main(int argc, char** argv) {
-  if (const char* dir = std::getenv("FORKSAFE_FUZZ_WRITE_CORPUS")) {
-    const std::string out = std::string(dir) + "/" + forksafe::fuzz::kTarget;
-    mkdir(dir, 0755);
-    mkdir(out.c_str(), 0755);
-    for (const forksafe::fuzz::Seed& s : forksafe::fuzz::Seeds()) {
-      std::ofstream(out + "/" + s.name, std::ios::binary) << s.bytes;
-    }
-    std::printf("wrote %zu seeds to %s\n", forksafe::fuzz::Seeds().size(), out.c_str());
-    return 0;
-  }
-  ::testing::InitGoogleTest(&argc, argv);
-  // A watchdog, as tests/support/test_main.cc: a replay that hangs fails with a message.
-  signal(SIGALRM, [](int) {
-    static const char kMsg[] = "\n*** fuzz replay watchdog: no progress in 120 s; aborting ***\n";
-    (void)!write(2, kMsg, sizeof(kMsg) - 1);
-    _exit(124);
-  });
-  alarm(120);
-  return RUN_ALL_TESTS();
-}

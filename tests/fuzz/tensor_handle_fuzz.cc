@@ -28,15 +28,15 @@ using runtime::Error;
 using runtime::ErrorCode;
 namespace in = mp::internal;
 
-int DevNull() {
-  static const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-  return fd;
+// A fresh descriptor per input (closed with it), so that nothing stays open between inputs.
+mp::FileDescriptor DevNull() {
+  return mp::FileDescriptor(open("/dev/null", O_RDONLY | O_CLOEXEC));
 }
 
 mp::Message WithSlots(std::string bytes) {
   mp::Message m;
   m.bytes = std::move(bytes);
-  m.fds.push_back(mp::FileDescriptor::Borrow(DevNull()));
+  m.fds.push_back(DevNull());
   m.fds.emplace_back();
   return m;
 }
@@ -87,7 +87,7 @@ std::string Input(uint64_t segment_size, uint8_t dtype, std::vector<int64_t> sha
   h.strides = std::move(strides);
   h.offset = offset;
   h.block.kind = kind;
-  if (kind == in::SegmentKind::kMemfd) h.block.fd = mp::FileDescriptor::Borrow(DevNull());
+  if (kind == in::SegmentKind::kMemfd) h.block.fd = DevNull();
   h.block.name = name;
   h.block.segment_id = id;
   h.block.offset = block_offset;
