@@ -4,7 +4,8 @@
 #   bash tools/test.sh [extra bazel flags, e.g. --config=asan]
 # With FORKSAFE_SANITIZERS="asan ubsan" the suite runs again under each of those configurations
 # and the summary line counts every run (CI does this). With FORKSAFE_SOAK_SCALE=0.1 the soak
-# tests (tests/soak, tagged manual; see tools/soak.sh) run too, at that fraction of full size.
+# tests (tests/soak, tagged manual; see tools/soak.sh) run too, at that fraction of full size;
+# with FORKSAFE_FUZZ_SECONDS=30 each fuzz target (tools/fuzz.sh) runs 30 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh || exit 1
@@ -74,6 +75,24 @@ if [ -n "${FORKSAFE_SOAK_SCALE:-}" ]; then
     --test_output=all "$@"
   echo "=== soak figures (scale $FORKSAFE_SOAK_SCALE)"
   grep '^soak:' "$log" || echo "no figures: the soak tests did not run"
+fi
+
+# With FORKSAFE_FUZZ_SECONDS=N every libFuzzer target of tests/fuzz runs N seconds
+# (tools/fuzz.sh); each target counts as one test: passed when it found no crash.
+if [ -n "${FORKSAFE_FUZZ_SECONDS:-}" ]; then
+  echo "=== bash tools/fuzz.sh $FORKSAFE_FUZZ_SECONDS"
+  bash tools/fuzz.sh "$FORKSAFE_FUZZ_SECONDS" 2>&1 | tee "$log"
+  fuzz_status=${PIPESTATUS[0]}
+  fuzz_passed=0; fuzz_failed=0
+  # Rows of its table: "target executions corpus seconds crashes".
+  while read -r name execs corpus secs crashes _; do
+    if [ "$crashes" = "0" ]; then fuzz_passed=$((fuzz_passed + 1)); else fuzz_failed=$((fuzz_failed + 1)); fi
+  done < <(grep -E '^[a-z_]+ +([0-9]+|\?) +[0-9]+ +[0-9]+ +[0-9]+' "$log")
+  if [ "$fuzz_status" -ne 0 ]; then
+    status=1
+    [ "$fuzz_failed" -eq 0 ] && fuzz_failed=1  # the build failed before any target ran
+  fi
+  passed=$((passed + fuzz_passed)); failed=$((failed + fuzz_failed))
 fi
 
 # Nothing may be left in /dev/shm by the tests (named segments of the file_system strategy).
