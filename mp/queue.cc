@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -169,8 +170,26 @@ void RingBell(int bell_w) {
   }
 }
 
-// Called and returns with the queue's lock held. Returns after a ring, a signal or the deadline.
+// How long a getter that finds the queue empty spins (yielding) before it sleeps on the bell.
+constexpr std::chrono::microseconds kSpinBeforeSleep{50};
+
+// Called and returns with the queue's lock held. Returns after a ring, a signal, the deadline,
+// or when an item arrived during the spin.
 void SleepOnBell(internal::QueueShared* h, int bell_r, internal::Deadline deadline) {
+  // First a short spin, yielding, without the lock. Across two vCPUs the cost of a round trip was
+  // waking a vCPU that had gone idle (tens of microseconds on a VM, whatever the wake-up: futex,
+  // pipe or socket); a getter that yields for a few tens of microseconds keeps its vCPU busy, so
+  // the put that follows wakes nothing. On one CPU sched_yield() hands the CPU to the putter at
+  // once, so the spin adds no latency there (docs/performance.md has both).
+  h->mu.Unlock();
+  auto spin_until = internal::Clock::now() + kSpinBeforeSleep;
+  if (deadline.has_value() && *deadline < spin_until) spin_until = *deadline;
+  while (__atomic_load_n(&h->count, __ATOMIC_ACQUIRE) == 0 && internal::Clock::now() < spin_until) {
+    sched_yield();
+  }
+  h->mu.Lock();  // a recovered lock (owner died) is fine: see QueueLock
+  if (h->count > 0) return;
+
   timespec ts{};
   timespec* rel = nullptr;
   if (deadline.has_value()) {

@@ -9,9 +9,10 @@
 //
 // How it works
 //   One shared-memory segment holds a ring buffer of framed messages plus a robust, process-shared
-//   mutex; getters that find it empty sleep on a doorbell pipe that a put rings (a pipe wake-up
-//   lets the scheduler run the getter on the putter's CPU; a futex wake-up does not — see
-//   docs/performance.md); putters waiting for room sleep on a futex. Descriptors travel on a side
+//   mutex; a getter that finds it empty first spins for up to 50 us, yielding the CPU (so a
+//   reply on another CPU finds it awake: waking an idle vCPU is what made cross-CPU round trips
+//   slow, see docs/performance.md), then sleeps on a doorbell pipe that a put rings only when a
+//   getter sleeps; putters waiting for room sleep on a futex. Descriptors travel on a side
 //   socket, tagged with the sequence number of their message. Messages larger than a quarter of the ring go out of band, in an
 //   anonymous memory file passed as a descriptor, so no message is too big and big messages never
 //   wait for ring space.
