@@ -5,7 +5,7 @@
 //
 // - BM_BarePingPong: 64 bytes there and back over a socketpair, raw read/write.
 // - BM_PipeRoundTrip: the same through mp::Pipe (framing + codec).
-// - BM_QueueRoundTrip: the same through two mp::Queues (shared ring, robust lock, futex wake-ups).
+// - BM_QueueRoundTrip: the same through two mp::Queues (shared ring, robust lock, spin then doorbell).
 // - BM_ProcessStartJoin/<method>: Process start + join of a function that returns at once.
 // - BM_Spawn2/<method>: spawn(nprocs=2) of a trivial entry point, end to end.
 // - BM_SharedTensorRoundTrip/<bytes>: an already-shared CPU tensor there and back through two
