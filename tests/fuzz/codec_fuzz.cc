@@ -22,20 +22,6 @@ namespace {
 using mp::FileDescriptor;
 using mp::Message;
 
-// A fresh descriptor per input (closed with it), so that nothing stays open between inputs.
-FileDescriptor DevNull() {
-  return FileDescriptor(open("/dev/null", O_RDONLY | O_CLOEXEC));
-}
-
-Message WithSlots(std::string bytes) {
-  Message m;
-  m.bytes = std::move(bytes);
-  m.fds.push_back(DevNull());
-  m.fds.emplace_back();
-  m.fds.push_back(DevNull());
-  return m;
-}
-
 // ---- printing decoded values --------------------------------------------------------------------
 void Put(std::ostream& o, int32_t v) { o << v; }
 void Put(std::ostream& o, int16_t v) { o << v; }
@@ -125,7 +111,7 @@ std::string DecodeSchema(int schema, Message& msg) {
 template <class... Ts>
 Seed MakeSeed(const std::string& name, int schema, const std::string& expected,
               const Ts&... values) {
-  Message m = WithSlots("");
+  Message m = MessageWithSlots("", {true, false, true});
   mp::EncodeInto(m, values...);
   return Seed{name, std::string(1, static_cast<char>(schema)) + m.bytes, expected};
 }
@@ -135,7 +121,7 @@ Seed MakeSeed(const std::string& name, int schema, const std::string& expected,
 std::string Describe(std::string_view input) {
   if (input.empty()) return "error: empty";
   const int schema = static_cast<uint8_t>(input[0]) % kSchemas;
-  Message msg = WithSlots(std::string(input.substr(1)));
+  Message msg = MessageWithSlots(std::string(input.substr(1)), {true, false, true});
   try {
     return DecodeSchema(schema, msg);
   } catch (const runtime::Error& e) {
@@ -179,7 +165,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const int schema = data[0] % forksafe::fuzz::kSchemas;
   forksafe::mp::Message msg =
-      forksafe::fuzz::WithSlots(std::string(reinterpret_cast<const char*>(data) + 1, size - 1));
+      forksafe::fuzz::MessageWithSlots(std::string(reinterpret_cast<const char*>(data) + 1, size - 1),
+                                       {true, false, true});
   try {
     (void)forksafe::fuzz::DecodeSchema(schema, msg);
   } catch (const forksafe::runtime::Error& e) {

@@ -23,11 +23,6 @@ namespace {
 using runtime::Error;
 using runtime::ErrorCode;
 
-// A fresh descriptor per input (closed with it), so that nothing stays open between inputs.
-mp::FileDescriptor DevNull() {
-  return mp::FileDescriptor(open("/dev/null", O_RDONLY | O_CLOEXEC));
-}
-
 // Feeds `input` to a Connection and returns what it read: "msg(<bytes>,<fds>)" per message, then
 // "end" or the error that stopped it. Traps on an error a peer's bytes must not cause.
 std::string Run(std::string_view input) {

@@ -13,12 +13,17 @@
 #ifndef FORKSAFE_TESTS_FUZZ_FUZZ_TARGET_H_
 #define FORKSAFE_TESTS_FUZZ_FUZZ_TARGET_H_
 
+#include <fcntl.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
+#include "mp/codec.h"
 #include "runtime/error.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
@@ -37,6 +42,27 @@ std::vector<Seed> Seeds();
 
 /// Decodes `input` as the target does and describes the value (or "error: <code>").
 std::string Describe(std::string_view input);
+
+/// A fresh descriptor on /dev/null, opened per input (and closed with it), so that nothing stays
+/// open between inputs.
+inline mp::FileDescriptor DevNull() {
+  return mp::FileDescriptor(open("/dev/null", O_RDONLY | O_CLOEXEC));
+}
+
+/// A message of `bytes` whose descriptor slots are, in order, a fresh /dev/null descriptor
+/// (true) or an empty slot (false): what a decoder finds when a peer sent descriptors.
+inline mp::Message MessageWithSlots(std::string bytes, std::initializer_list<bool> slots) {
+  mp::Message m;
+  m.bytes = std::move(bytes);
+  for (bool real : slots) {
+    if (real) {
+      m.fds.push_back(DevNull());
+    } else {
+      m.fds.emplace_back();
+    }
+  }
+  return m;
+}
 
 /// "error: <code name>" for `e`.
 inline std::string ErrorText(const runtime::Error& e) {

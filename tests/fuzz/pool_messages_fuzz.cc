@@ -22,23 +22,10 @@ using runtime::Error;
 using runtime::ErrorCode;
 namespace in = mp::internal;
 
-// A fresh descriptor per input (closed with it), so that nothing stays open between inputs.
-mp::FileDescriptor DevNull() {
-  return mp::FileDescriptor(open("/dev/null", O_RDONLY | O_CLOEXEC));
-}
-
-mp::Message WithSlots(std::string bytes) {
-  mp::Message m;
-  m.bytes = std::move(bytes);
-  m.fds.push_back(DevNull());
-  m.fds.emplace_back();
-  return m;
-}
-
 std::string Run(std::string_view input) {
   if (input.empty()) return "empty";
   const bool task = (static_cast<uint8_t>(input[0]) & 1) == 0;
-  mp::Message msg = WithSlots(std::string(input.substr(1)));
+  mp::Message msg = MessageWithSlots(std::string(input.substr(1)), {true, false});
   std::ostringstream o;
   try {
     if (task) {

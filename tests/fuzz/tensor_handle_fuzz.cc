@@ -28,19 +28,6 @@ using runtime::Error;
 using runtime::ErrorCode;
 namespace in = mp::internal;
 
-// A fresh descriptor per input (closed with it), so that nothing stays open between inputs.
-mp::FileDescriptor DevNull() {
-  return mp::FileDescriptor(open("/dev/null", O_RDONLY | O_CLOEXEC));
-}
-
-mp::Message WithSlots(std::string bytes) {
-  mp::Message m;
-  m.bytes = std::move(bytes);
-  m.fds.push_back(DevNull());
-  m.fds.emplace_back();
-  return m;
-}
-
 std::string List(const std::vector<int64_t>& v) {
   std::ostringstream o;
   o << '[';
@@ -53,7 +40,7 @@ std::string Run(std::string_view input) {
   if (input.size() < 8) return "short";
   uint64_t segment_size;
   std::memcpy(&segment_size, input.data(), 8);
-  mp::Message msg = WithSlots(std::string(input.substr(8)));
+  mp::Message msg = MessageWithSlots(std::string(input.substr(8)), {true, false});
   try {
     in::TensorHandle h = mp::DecodeAs<in::TensorHandle>(msg);
     in::CheckTensorHandle(h);
@@ -92,7 +79,7 @@ std::string Input(uint64_t segment_size, uint8_t dtype, std::vector<int64_t> sha
   h.block.segment_id = id;
   h.block.offset = block_offset;
   h.block.size = block_size;
-  mp::Message m = WithSlots("");
+  mp::Message m = MessageWithSlots("", {true, false});
   m.fds.clear();
   mp::EncodeInto(m, h);
   std::string s(8, '\0');

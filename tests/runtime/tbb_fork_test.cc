@@ -9,27 +9,17 @@
 #include <thread>
 
 #include "gtest/gtest.h"
-#include "oneapi/tbb/blocked_range.h"
 #include "oneapi/tbb/parallel_for.h"
-#include "oneapi/tbb/parallel_reduce.h"
 #include "runtime/at_fork.h"
 #include "tests/support/child_process.h"
+#include "tests/support/workloads.h"
 
 namespace forksafe::runtime {
 namespace {
 
 using forksafe::testing::RunInChild;
+using forksafe::testing::TbbSum;
 using namespace std::chrono_literals;
-
-long TbbSum(long n) {
-  return tbb::parallel_reduce(
-      tbb::blocked_range<long>(0, n), 0L,
-      [](const tbb::blocked_range<long>& r, long acc) {
-        for (long i = r.begin(); i != r.end(); ++i) acc += i;
-        return acc;
-      },
-      [](long a, long b) { return a + b; });
-}
 
 TEST(TbbForkTest, ChildCanUseOneTbbAfterParentDid) {
   ASSERT_EQ(TbbSum(100000), 4999950000L);

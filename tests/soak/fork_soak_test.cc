@@ -17,40 +17,21 @@
 #include "device/sim_backend.h"
 #include "device/tensor.h"
 #include "gtest/gtest.h"
-#include "oneapi/tbb/blocked_range.h"
-#include "oneapi/tbb/parallel_reduce.h"
 #include "runtime/at_fork.h"
 #include "runtime/tbb_fork.h"
 #include "runtime/thread_pool.h"
 #include "tests/soak/soak_scale.h"
 #include "tests/support/child_process.h"
+#include "tests/support/workloads.h"
 
 namespace forksafe {
 namespace {
 
 using forksafe::testing::ChildResult;
 using forksafe::testing::RunInChild;
+using forksafe::testing::PoolSum;
+using forksafe::testing::TbbSum;
 using namespace std::chrono_literals;
-
-long TbbSum(long n) {
-  return tbb::parallel_reduce(
-      tbb::blocked_range<long>(0, n), 0L,
-      [](const tbb::blocked_range<long>& r, long acc) {
-        for (long i = r.begin(); i != r.end(); ++i) acc += i;
-        return acc;
-      },
-      [](long a, long b) { return a + b; });
-}
-
-int64_t PoolSum(runtime::ThreadPool& pool, int64_t n) {
-  std::atomic<int64_t> s{0};
-  pool.ParallelFor(0, n, 64, [&](int64_t a, int64_t b) {
-    int64_t local = 0;
-    for (int64_t i = a; i < b; ++i) local += i;
-    s += local;
-  });
-  return s.load();
-}
 
 // What every child checks; 0 when all is well, else a code naming the failed check. `step`
 // (shared with the parent) says how far it got, so that a hang names the check that hung.
