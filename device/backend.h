@@ -33,6 +33,10 @@
 #include "device/device.h"
 
 namespace forksafe::device {
+class IpcBackend;
+}  // namespace forksafe::device
+
+namespace forksafe::device {
 
 /// What a forked child may do with a backend that the parent initialized.
 enum class ForkBehavior {
@@ -66,6 +70,9 @@ class Backend {
   virtual int DeviceCount() const = 0;
   /// Properties of device `index`. Never initializes. Throws kInvalidArgument for a bad index.
   virtual DeviceProperties Properties(int index) const = 0;
+  /// The backend's interprocess interface (device/ipc.h), or null when its memory cannot cross
+  /// processes. Never initializes.
+  virtual IpcBackend* ipc() { return nullptr; }
 
   /// Allocates `bytes` (> 0) on device `index`. Throws kResourceExhausted when memory runs out.
   void* Allocate(int index, size_t bytes);

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "device/ipc.h"
 #include "device/cpu_backend.h"
 #include "device/sim_backend.h"
 #include "runtime/at_fork.h"
@@ -99,6 +100,20 @@ Backend& GetBackend(DeviceType type) {
                              absl::StrJoin(names, ", ")));
   }
   return *b;
+}
+
+IpcBackend& GetIpcBackend(Device device) {
+  CheckDevice(device);
+  IpcBackend* ipc = GetBackend(device.type).ipc();
+  if (ipc == nullptr) {
+    throw Error(ErrorCode::kUnavailable,
+                absl::StrCat("memory of ", device.ToString(),
+                             " cannot be exported to other processes by its backend",
+                             device.is_cpu() ? " (CPU tensors cross through shared memory: "
+                                               "mp::share_memory_)"
+                                             : ""));
+  }
+  return *ipc;
 }
 
 int DeviceCount(DeviceType type) { return HasBackend(type) ? GetBackend(type).DeviceCount() : 0; }
