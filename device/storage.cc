@@ -49,6 +49,7 @@ struct StorageImpl {
   std::function<void(void*)> deleter;  // empty: borrowed memory, or nothing to free
   std::atomic<bool> shared{false};
   std::shared_ptr<void> sharing_context;
+  bool from_allocate = false;  // made by Storage::Allocate; set once, before any sharing
 
   StorageImpl(Device d, void* p, size_t n, std::function<void(void*)> del)
       : device(d), data(p), nbytes(n), deleter(std::move(del)) {}
@@ -76,6 +77,15 @@ void MoveStorageData(const Storage& storage, void* new_data,
   Release(impl.device, impl.nbytes, old_deleter, old_data);  // outside the lock
 }
 
+std::function<void(void*)> ExchangeStorageRelease(const Storage& storage,
+                                                  std::function<void(void*)> new_release) {
+  StorageImpl& impl = *storage.impl_;
+  std::lock_guard<std::mutex> lk(impl.mu);
+  return std::exchange(impl.deleter, std::move(new_release));
+}
+
+bool IsBackendAllocation(const Storage& storage) { return storage.impl_->from_allocate; }
+
 }  // namespace internal
 
 using internal::StorageImpl;
@@ -94,7 +104,9 @@ Storage Storage::Allocate(Device device, size_t nbytes) {
     b.Free(device.index, ptr);
   };
   try {
-    return Storage(std::make_shared<StorageImpl>(device, p, nbytes, std::move(release)));
+    auto impl = std::make_shared<StorageImpl>(device, p, nbytes, std::move(release));
+    impl->from_allocate = true;
+    return Storage(std::move(impl));
   } catch (...) {
     device::Free(device, p);
     throw;

@@ -59,6 +59,9 @@ struct StorageImpl;
 class WeakStorage;
 void MoveStorageData(const Storage& storage, void* new_data,
                      std::function<void(void*)> new_deleter);
+std::function<void(void*)> ExchangeStorageRelease(const Storage& storage,
+                                                  std::function<void(void*)> new_release);
+bool IsBackendAllocation(const Storage& storage);
 }  // namespace internal
 
 /// A shared, reference-counted block of memory on one device. Copies share the block.
@@ -114,6 +117,9 @@ class Storage {
  private:
   friend class internal::WeakStorage;
   friend void internal::MoveStorageData(const Storage&, void*, std::function<void(void*)>);
+  friend std::function<void(void*)> internal::ExchangeStorageRelease(
+      const Storage&, std::function<void(void*)>);
+  friend bool internal::IsBackendAllocation(const Storage&);
   explicit Storage(std::shared_ptr<internal::StorageImpl> impl);
 
   std::shared_ptr<internal::StorageImpl> impl_;  // never null
@@ -146,6 +152,16 @@ class WeakStorage {
 /// on the same device. Throws kInvalidArgument for a null `new_data` with a non-zero size.
 void MoveStorageData(const Storage& storage, void* new_data,
                      std::function<void(void*)> new_deleter);
+
+/// For mp/ only (legacy IPC): makes `new_release` the block's release and returns the old one,
+/// which is NOT run: the caller takes it over (mp/ defers a framework's free while other processes
+/// still map the memory).
+std::function<void(void*)> ExchangeStorageRelease(const Storage& storage,
+                                                  std::function<void(void*)> new_release);
+
+/// True when the block was made by Storage::Allocate (the backend's own allocator), false for
+/// FromExternal memory.
+bool IsBackendAllocation(const Storage& storage);
 
 }  // namespace internal
 

@@ -1,11 +1,18 @@
 #include "mp/sharing.h"
 
+#include <unistd.h>
+
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <list>
 #include <mutex>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
+#include "device/ipc.h"
+#include "device/registry.h"
 #include "device/storage.h"
 #include "mp/process.h"
 #include "runtime/error.h"
@@ -21,8 +28,12 @@ std::atomic<int> g_strategy{0};  // 0 file_descriptor, 1 file_system
 std::atomic<bool> g_cache{true};
 
 // What mp/ keeps in a shared Storage's sharing_context(): the block it lives in.
+// For a device storage, `block` is the small shared block that counts its holders in every
+// process (its contents are unused).
 struct SharingContext {
   std::shared_ptr<internal::SharedBlock> block;
+  bool legacy = false;    // device memory shared through a legacy handle
+  bool imported = false;  // device memory that came from another process
 };
 
 // Storages backed by shared blocks in this process, by block key, so that a block that arrives
@@ -41,13 +52,16 @@ internal::SegmentKind Kind() {
   return g_strategy.load() == 0 ? internal::SegmentKind::kMemfd : internal::SegmentKind::kNamed;
 }
 
-void CheckCpu(const device::Tensor& t, const char* what) {
-  if (!t.device().is_cpu()) {
+// The IPC interface of a device tensor's backend, or a clear error when it has none.
+device::IpcBackend& DeviceIpc(const device::Tensor& t, const char* what) {
+  device::IpcBackend* ipc = device::GetBackend(t.device().type).ipc();
+  if (ipc == nullptr) {
     throw Error(ErrorCode::kUnavailable,
                 absl::StrCat(what, ": tensors on ", t.device().ToString(),
-                             " cannot be shared between processes yet (accelerator IPC is not "
-                             "built); copy it to the CPU with To(device::kCPU) first"));
+                             " cannot be shared between processes (its backend cannot export "
+                             "memory); copy it to the CPU with To(device::kCPU) first"));
   }
+  return *ipc;
 }
 
 void Remember(const std::shared_ptr<internal::SharedBlock>& block, const device::Storage& s) {
@@ -72,6 +86,211 @@ void ShareStorage(const device::Storage& s) {
   s.set_sharing_context(std::make_shared<SharingContext>(SharingContext{block}));
   s.set_shared(true);
   Remember(block, s);
+}
+
+// ---- Accelerator tensors ------------------------------------------------------------------------
+
+// Frees of legacy-shared memory that receivers still held when its producer dropped it: run when
+// they let go (checked on every legacy export and import, and reported at exit if never).
+struct DeferredRelease {
+  std::shared_ptr<internal::SharedBlock> count;
+  std::function<void(void*)> release;
+  void* data;
+  std::string what;
+};
+struct Deferred {
+  std::mutex mu;
+  std::list<DeferredRelease> list;
+};
+Deferred& Defer() {
+  static auto* d = new Deferred();
+  return *d;
+}
+
+void RunDeferredReleases() {
+  std::list<DeferredRelease> ready;
+  {
+    Deferred& d = Defer();
+    std::lock_guard<std::mutex> lk(d.mu);
+    for (auto it = d.list.begin(); it != d.list.end();) {
+      if (it->count->shared_count() <= 1) {
+        ready.splice(ready.end(), d.list, it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (DeferredRelease& r : ready) {
+    if (r.release) r.release(r.data);
+  }
+}
+
+void ReportLegacyAtExit() {
+  Deferred& d = Defer();
+  std::lock_guard<std::mutex> lk(d.mu);
+  for (const DeferredRelease& r : d.list) {
+    const int32_t others = r.count->shared_count() - 1;
+    if (others > 0) {
+      std::fprintf(stderr,
+                   "forksafe: error: pid %d exits while %d reference(s) in other processes still "
+                   "use %s, shared through a legacy IPC handle; that memory dies with this "
+                   "process. Keep the producer alive until receivers drop such tensors, or "
+                   "allocate them with forksafe (Storage::Allocate) so that they outlive it.\n",
+                   static_cast<int>(getpid()), others, r.what.c_str());
+    }
+  }
+}
+
+// Sets up a device storage for sending, once: its holder count, and for forksafe's own
+// allocations the hold that keeps the block out of reuse while other processes use it.
+std::shared_ptr<SharingContext> DeviceSharing(const device::Storage& s, device::IpcBackend& ipc) {
+  static std::mutex mu;  // two threads sending the same storage at once set it up once
+  std::lock_guard<std::mutex> lk(mu);
+  if (auto ctx = std::static_pointer_cast<SharingContext>(s.sharing_context())) return ctx;
+  auto ctl = internal::SharedArena::Get().Allocate(64, Kind(), true);
+  auto ctx = std::make_shared<SharingContext>(SharingContext{ctl, false});
+  const int index = s.device().index;
+  if (device::internal::IsBackendAllocation(s)) {
+    // Reusable by our allocator once no other process holds it (the predicate's own reference
+    // is the one left).
+    ipc.HoldAfterFree(index, s.data(), [ctl] { return ctl->shared_count() <= 1; });
+  } else {
+    // A framework's own memory: a legacy handle, valid only while this process keeps it. Defer
+    // the framework's free while receivers hold it, and say that the rule was broken.
+    ctx->legacy = true;
+    std::function<void(void*)> old = device::internal::ExchangeStorageRelease(s, nullptr);
+    const std::string what = absl::StrCat("a tensor of ", s.nbytes(), " bytes on ",
+                                          s.device().ToString());
+    device::internal::ExchangeStorageRelease(
+        s, [ctl, old = std::move(old), what](void* data) mutable {
+          if (ctl->shared_count() <= 1) {
+            if (old) old(data);
+            return;
+          }
+          std::fprintf(stderr,
+                       "forksafe: error: %s shared through a legacy IPC handle was released by "
+                       "its producer (pid %d) while %d reference(s) in other processes still use "
+                       "it. Its free is deferred until they let go: keep the producer's tensor "
+                       "alive for as long as receivers use it (memory not allocated by forksafe "
+                       "cannot outlive its producer).\n",
+                       what.c_str(), static_cast<int>(getpid()), ctl->shared_count() - 1);
+          static const bool at_exit = [] { return std::atexit(ReportLegacyAtExit) == 0; }();
+          (void)at_exit;
+          Deferred& d = Defer();
+          std::lock_guard<std::mutex> lk(d.mu);
+          d.list.push_back(DeferredRelease{ctl, std::move(old), data, what});
+        });
+  }
+  s.set_sharing_context(ctx);
+  s.set_shared(true);
+  Remember(ctl, s);
+  return ctx;
+}
+
+void ExportDeviceTensor(const device::Tensor& t, internal::TensorHandle& h) {
+  device::IpcBackend& ipc = DeviceIpc(t, "sending a tensor");
+  const device::Storage& s = t.storage();
+  if (s.nbytes() == 0) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("sending a tensor: an empty ", t.device().ToString(),
+                             " tensor has no memory to share; send its shape instead"));
+  }
+  std::shared_ptr<SharingContext> ctx = DeviceSharing(s, ipc);
+  if (ctx->legacy && ctx->imported) {
+    throw Error(ErrorCode::kUnavailable,
+                absl::StrCat("sending a tensor: this ", t.device().ToString(),
+                             " tensor arrived through a legacy IPC handle (memory its producer "
+                             "allocated outside forksafe), which cannot be passed on; have the "
+                             "producer send it, or copy it into a tensor allocated here"));
+  }
+  if (ctx->legacy) RunDeferredReleases();
+  const int index = s.device().index;
+  device::IpcMemoryHandle m = ctx->legacy ? ipc.ExportLegacyMemory(index, s.data(), s.nbytes())
+                                          : ipc.ExportMemory(index, s.data(), s.nbytes());
+  FileDescriptor memory_fd(m.fd);  // ours to close (the codec sends a duplicate)
+  const device::IpcEventHandle e = ipc.RecordIpcEvent(index);
+  internal::DeviceTensorWire& w = h.device;
+  w.device_type = static_cast<uint8_t>(s.device().type);
+  w.device_index = index;
+  w.kind = static_cast<uint8_t>(m.kind);
+  w.memory_fd = std::move(memory_fd);
+  w.segment_id = m.segment_id;
+  w.segment_size = m.segment_size;
+  w.offset = m.offset;
+  w.size = m.size;
+  w.exporter = m.exporter;
+  std::memcpy(w.opaque, m.opaque.data(), sizeof w.opaque);
+  w.event_complete = e.complete;
+  w.event_fd = FileDescriptor::Borrow(e.fd);  // the pool keeps it open
+  w.event_pool = e.pool_id;
+  w.event_slot = e.slot;
+  w.event_sequence = e.sequence;
+  std::memcpy(w.event_opaque, e.opaque.data(), sizeof w.event_opaque);
+  h.on_device = true;
+  h.block = ctx->block->Export();  // last: nothing below can fail and strand the reference
+}
+
+void CheckDeviceWire(const internal::DeviceTensorWire& w) {
+  if (w.device_type == static_cast<uint8_t>(device::DeviceType::kCPU) ||
+      w.device_type >= device::kNumDeviceTypes || w.device_index < 0 ||
+      w.kind > static_cast<uint8_t>(device::IpcKind::kLegacy)) {
+    throw Error(ErrorCode::kInvalidArgument, "malformed tensor handle: bad device section");
+  }
+}
+
+device::Storage ImportDeviceStorage(internal::TensorHandle& h,
+                                    std::shared_ptr<internal::SharedBlock> ctl) {
+  internal::DeviceTensorWire& w = h.device;
+  const device::Device dev(static_cast<device::DeviceType>(w.device_type), w.device_index);
+  device::IpcBackend& ipc = device::GetIpcBackend(dev);
+  if (w.kind == static_cast<uint8_t>(device::IpcKind::kLegacy)) RunDeferredReleases();
+  device::IpcEventHandle e;
+  e.complete = w.event_complete;
+  e.fd = w.event_fd.get();
+  e.pool_id = w.event_pool;
+  e.slot = w.event_slot;
+  e.sequence = w.event_sequence;
+  e.exporter = w.exporter;
+  std::memcpy(e.opaque.data(), w.event_opaque, sizeof w.event_opaque);
+
+  device::Storage storage;
+  Identity& ids = Ids();
+  std::unique_lock<std::mutex> lk(ids.mu);
+  auto it = ids.by_key.find(ctl->key());
+  std::optional<device::Storage> known;
+  if (it != ids.by_key.end()) known = it->second.Lock();
+  if (known.has_value()) {
+    storage = *known;  // our adopted reference goes with `ctl`
+    lk.unlock();
+  } else {
+    device::IpcMemoryHandle m;
+    m.device = dev;
+    m.kind = static_cast<device::IpcKind>(w.kind);
+    m.fd = w.memory_fd.get();  // borrowed: the backend duplicates it for a new segment
+    m.segment_id = w.segment_id;
+    m.segment_size = w.segment_size;
+    m.offset = w.offset;
+    m.size = w.size;
+    m.exporter = w.exporter;
+    std::memcpy(m.opaque.data(), w.opaque, sizeof w.opaque);
+    void* data = ipc.ImportMemory(m);
+    const int index = dev.index;
+    try {
+      storage = device::Storage::FromExternal(
+          dev, data, w.size, [&ipc, index, ctl](void* p) { ipc.ReleaseImported(index, p); });
+    } catch (...) {
+      ipc.ReleaseImported(index, data);
+      throw;
+    }
+    storage.set_sharing_context(std::make_shared<SharingContext>(
+        SharingContext{ctl, w.kind == static_cast<uint8_t>(device::IpcKind::kLegacy), true}));
+    storage.set_shared(true);
+    ids.by_key[ctl->key()] = device::internal::WeakStorage(storage);
+    lk.unlock();
+  }
+  // Whatever this process queues on the tensor from now on runs after the producer's writes.
+  ipc.WaitIpcEvent(dev.index, e);
+  return storage;
 }
 
 // Lets Process share tensor arguments before a fork (mp/process.h).
@@ -105,8 +324,12 @@ void set_sharing_strategy(const std::string& strategy) {
 void set_sharing_cache_enabled(bool enabled) { g_cache = enabled; }
 
 device::Tensor& share_memory_(device::Tensor& tensor) {
-  CheckCpu(tensor, "share_memory_");
-  ShareStorage(tensor.storage());
+  if (tensor.device().is_cpu()) {
+    ShareStorage(tensor.storage());
+  } else {
+    device::IpcBackend& ipc = DeviceIpc(tensor, "share_memory_");
+    if (tensor.storage().nbytes() > 0) DeviceSharing(tensor.storage(), ipc);
+  }
   return tensor;
 }
 
@@ -131,7 +354,15 @@ device::Tensor SharedEmpty(const std::vector<int64_t>& shape, device::DType dtyp
 namespace internal {
 
 TensorHandle ExportTensor(const device::Tensor& t) {
-  CheckCpu(t, "sending a tensor");
+  if (!t.device().is_cpu()) {
+    TensorHandle h;
+    h.dtype = static_cast<uint8_t>(t.dtype());
+    h.shape = t.shape();
+    h.strides = t.strides();
+    h.offset = t.storage_offset();
+    ExportDeviceTensor(t, h);
+    return h;
+  }
   ShareStorage(t.storage());
   auto ctx = std::static_pointer_cast<SharingContext>(t.storage().sharing_context());
   if (!ctx) {
@@ -151,13 +382,16 @@ void CheckTensorHandle(const TensorHandle& h) {
     throw Error(ErrorCode::kInvalidArgument, "malformed tensor handle: unknown dtype");
   }
   CheckHandle(h.block);
+  if (h.on_device) CheckDeviceWire(h.device);
 }
 
 device::Tensor ImportTensor(TensorHandle h) {
   CheckTensorHandle(h);
   auto block = SharedArena::Get().Import(std::move(h.block));
   device::Storage storage;
-  {
+  if (h.on_device) {
+    storage = ImportDeviceStorage(h, std::move(block));
+  } else {
     Identity& ids = Ids();
     std::lock_guard<std::mutex> lk(ids.mu);
     auto it = ids.by_key.find(block->key());

@@ -27,6 +27,32 @@
 //   the last process unmaps its segment. Running out of memory or of /dev/shm is a clear
 //   Error(kResourceExhausted) at allocation, never a SIGBUS.
 //
+// Accelerator tensors (the simulated accelerator, CUDA: backends implementing device/ipc.h)
+//   A device tensor crosses without leaving the device: the receiver maps the same device memory
+//   (the segment's descriptor travels with SCM_RIGHTS; the receiver imports, reserves, maps and
+//   sets access once per segment).
+//   - The producer may drop its tensor or exit right after sending. The memory stays valid until
+//     the last process that maps it lets go, and the producer's caching allocator does not reuse
+//     the block while any other process holds a reference (a small shared block counts the
+//     holders in every process, references in flight included).
+//   - Ordering: each send records an interprocess event after the producer's work queued so far;
+//     the receiver's stream waits for it before anything it queues on the tensor, so it never
+//     reads half-written data (events come from a bounded, recycled pool; without one the
+//     producer synchronizes before sending).
+//   - Memory forksafe did not allocate (Storage::FromExternal over a framework's own cudaMalloc)
+//     can only cross through a legacy handle. THERE, AND ONLY THERE, THE PRODUCER MUST KEEP THE
+//     TENSOR ALIVE while receivers use it. It is enforced: if the producer drops its last handle
+//     while receivers still hold the tensor, the free is deferred until they let go and an error
+//     is reported on stderr; a receiver that imports after the producer freed the memory or exited
+//     gets Error(kFailedPrecondition); a producer that exits while receivers hold such memory
+//     reports it on stderr at exit.
+//   - A receiver killed with SIGKILL lets go of its mappings (the kernel or driver closes them);
+//     its references in the producer's count are never returned, so those blocks stay out of
+//     reuse until the producer exits or EmptyCache finds them released. Device memory itself is
+//     freed when no process maps it.
+//   - A child started with the fork method cannot touch device tensors of a parent that used the
+//     device (kForkPoisoned); pass them to spawn or forkserver children.
+//
 // Hazards
 //   - share_memory_() changes where the storage's data lives: raw pointers taken earlier
 //     (data_ptr()) point at the old private memory. Take pointers after sharing.
@@ -53,7 +79,9 @@ std::string get_sharing_strategy();
 void set_sharing_strategy(const std::string& strategy);
 
 /// Moves `tensor`'s storage into shared memory (in place; a no-op when already shared) and
-/// returns the tensor. CPU tensors only for now: other devices throw kUnavailable.
+/// returns the tensor. Accelerator tensors whose backend can export memory (device/ipc.h: the
+/// simulated accelerator, CUDA) are shareable where they are: this only marks them shared, as
+/// torch does for CUDA. Other devices throw kUnavailable.
 device::Tensor& share_memory_(device::Tensor& tensor);
 
 /// A new CPU tensor allocated directly in shared memory (no copy later).
@@ -65,15 +93,51 @@ device::Tensor SharedEmpty(const std::vector<int64_t>& shape,
 void set_sharing_cache_enabled(bool enabled);
 
 namespace internal {
-/// The wire form of a tensor.
+/// The wire form of accelerator memory (device::IpcMemoryHandle) and of the producer's event
+/// (device::IpcEventHandle), for tensors on a device whose backend implements device/ipc.h.
+struct DeviceTensorWire {
+  uint8_t device_type = 0;
+  int32_t device_index = 0;
+  uint8_t kind = 0;  // device::IpcKind
+  FileDescriptor memory_fd;
+  uint64_t segment_id = 0, segment_size = 0, offset = 0, size = 0;
+  int32_t exporter = 0;
+  uint64_t opaque[8] = {};
+  bool event_complete = true;
+  FileDescriptor event_fd;
+  uint64_t event_pool = 0;
+  uint32_t event_slot = 0;
+  uint64_t event_sequence = 0;
+  uint64_t event_opaque[8] = {};
+
+  template <class Archive>
+  void serialize(Archive& ar) {
+    ar(device_type, device_index, kind, memory_fd, segment_id, segment_size, offset, size,
+       exporter);
+    for (uint64_t& w : opaque) ar(w);
+    ar(event_complete, event_fd, event_pool, event_slot, event_sequence);
+    for (uint64_t& w : event_opaque) ar(w);
+  }
+};
+
+/// The wire form of a tensor. CPU tensors travel as a shared block; device tensors travel as a
+/// small shared block that counts their holders in every process (`block`) plus `device`.
 struct TensorHandle {
   uint8_t dtype = 0;
   std::vector<int64_t> shape, strides;
   int64_t offset = 0;
   SharedBlock::Handle block;
+  bool on_device = false;
+  DeviceTensorWire device;
   template <class Archive>
-  void serialize(Archive& ar) {
-    ar(dtype, shape, strides, offset, block);
+  void save(Archive& ar) const {
+    ar(dtype, shape, strides, offset, block, on_device);
+    if (on_device) ar(device);
+  }
+  template <class Archive>
+  void load(Archive& ar) {
+    ar(dtype, shape, strides, offset, block, on_device);
+    if (on_device) ar(device);
   }
 };
 TensorHandle ExportTensor(const device::Tensor& t);

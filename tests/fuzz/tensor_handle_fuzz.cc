@@ -1,7 +1,8 @@
 // tests/fuzz/tensor_handle_fuzz.cc: the handle of a tensor shared across processes
 // (mp/sharing.h TensorHandle, mp/internal/shared_arena.h SharedBlock::Handle), as another process
 // encodes it: dtype, shape, strides, offset, and the block (segment kind, descriptor or name,
-// segment id, offset, size).
+// segment id, offset, size); for an accelerator tensor also the device section (device, handle
+// kind, segment descriptor, id, size, range, the event's descriptor and slot).
 // Input: [segment size u64][the handle's codec bytes]. The message carries two descriptor slots
 // (/dev/null, empty). The target decodes the handle, checks it (CheckTensorHandle), places the
 // block in a segment of the given size (CheckBlockPlacement) and builds the view over a storage of
@@ -47,8 +48,9 @@ std::string Run(std::string_view input) {
     in::CheckBlockPlacement(h.block.offset, h.block.size, segment_size);
     // The view must fit in the block; nothing reads the storage's bytes.
     static char byte;
+    const uint64_t bytes = h.on_device ? h.device.size : h.block.size;
     device::Storage storage =
-        device::Storage::FromExternal(device::kCPU, &byte, static_cast<size_t>(h.block.size),
+        device::Storage::FromExternal(device::kCPU, &byte, static_cast<size_t>(bytes),
                                       [](void*) {});
     const device::Tensor t = device::Tensor::FromStorage(
         storage, static_cast<device::DType>(h.dtype), h.shape, h.strides, h.offset);
@@ -57,6 +59,13 @@ std::string Run(std::string_view input) {
       << " offset " << t.storage_offset() << " block "
       << (h.block.kind == in::SegmentKind::kMemfd ? "memfd" : h.block.name) << " "
       << h.block.segment_id << "@" << h.block.offset << "+" << h.block.size;
+    if (h.on_device) {
+      o << " device " << device::DeviceTypeName(static_cast<device::DeviceType>(h.device.device_type))
+        << ":" << h.device.device_index << (h.device.kind == 0 ? " segment " : " legacy ")
+        << h.device.segment_id << "@" << h.device.offset << "+" << h.device.size << " of "
+        << h.device.segment_size << (h.device.event_complete ? " complete" : " event slot ")
+        << (h.device.event_complete ? std::string() : std::to_string(h.device.event_slot));
+    }
     return o.str();
   } catch (const Error& e) {
     if (e.code() != ErrorCode::kInvalidArgument) __builtin_trap();
@@ -87,6 +96,41 @@ std::string Input(uint64_t segment_size, uint8_t dtype, std::vector<int64_t> sha
   return s + m.bytes;
 }
 
+// An accelerator tensor's handle: a 64-byte holder block plus the device section.
+std::string DeviceInput(uint8_t device_type, int32_t index, uint8_t kind, uint64_t seg_size,
+                        uint64_t offset, uint64_t size) {
+  in::TensorHandle h;
+  h.dtype = 0;
+  h.shape = {static_cast<int64_t>(size / 4)};
+  h.strides = {1};
+  h.block.kind = in::SegmentKind::kMemfd;
+  h.block.fd = DevNull();
+  h.block.segment_id = 9;
+  h.block.offset = 4160;
+  h.block.size = 64;
+  h.on_device = true;
+  h.device.device_type = device_type;
+  h.device.device_index = index;
+  h.device.kind = kind;
+  h.device.memory_fd = DevNull();
+  h.device.segment_id = 77;
+  h.device.segment_size = seg_size;
+  h.device.offset = offset;
+  h.device.size = size;
+  h.device.exporter = 1234;
+  h.device.event_complete = false;
+  h.device.event_fd = DevNull();
+  h.device.event_slot = 5;
+  h.device.event_sequence = 2;
+  mp::Message m = MessageWithSlots("", {true, false});
+  m.fds.clear();
+  mp::EncodeInto(m, h);
+  std::string s(8, '\0');
+  const uint64_t segment_size = 1 << 22;
+  std::memcpy(s.data(), &segment_size, 8);
+  return s + m.bytes;
+}
+
 }  // namespace
 
 std::string Describe(std::string_view input) { return Run(input); }
@@ -104,6 +148,10 @@ std::vector<Seed> Seeds() {
        "float16 [0,5] strides [5,1] offset 0 block memfd 2@4160+0"},
       {"view_too_big", Input(1 << 22, 0, {2, 3}, {3, 1}, 1, SegmentKind::kMemfd, "", 7, 4160, 24),
        "error: invalid_argument"},
+      {"sim_device", DeviceInput(1, 0, 0, 2 << 20, 4096, 1024),
+       "float32 [256] strides [1] offset 0 block memfd 9@4160+64 device sim:0 segment 77@4096+1024 "
+       "of 2097152 event slot 5"},
+      {"cpu_device_section", DeviceInput(0, 0, 0, 2 << 20, 0, 64), "error: invalid_argument"},
   };
 }
 
