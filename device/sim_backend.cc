@@ -957,14 +957,24 @@ IpcEventHandle SimBackend::RecordIpcEvent(int index) {
   // Recordings of one slot are enqueued in sequence order (under mem_mu above, then here in the
   // same order per thread; across threads a later sequence may be stored first, which only makes
   // a waiter wait for more work, never less).
-  ctx_->Enqueue([page, word, seq] {
+  auto complete = [page, word, seq] {
     uint32_t cur = __atomic_load_n(word, __ATOMIC_ACQUIRE);
     while (static_cast<int32_t>(seq - cur) > 0 &&
            !__atomic_compare_exchange_n(word, &cur, seq, false, __ATOMIC_RELEASE,
                                         __ATOMIC_ACQUIRE)) {
     }
     internal::Futex(word, FUTEX_WAKE, INT_MAX, nullptr);
-  });
+  };
+  {
+    // An idle stream has nothing for the event to follow: complete it here and spare the device
+    // thread a wake-up (the common case of sending a tensor whose writes are long done).
+    std::lock_guard<std::mutex> q(ctx_->q_mu);
+    if (ctx_->completed == ctx_->submitted) {
+      complete();
+      return e;
+    }
+  }
+  ctx_->Enqueue(std::move(complete));
   return e;
 }
 
@@ -1008,6 +1018,8 @@ void SimBackend::WaitIpcEvent(int index, const IpcEventHandle& e) {
   uint32_t* word = &page->words[e.slot];
   const uint32_t seq = static_cast<uint32_t>(e.sequence);
   const pid_t exporter = e.exporter;
+  // Already complete (the producer's stream was idle, or has caught up): nothing to wait for.
+  if (static_cast<int32_t>(__atomic_load_n(word, __ATOMIC_ACQUIRE) - seq) >= 0) return;
   ctx_->Enqueue([page, word, seq, exporter] {
     const auto start = std::chrono::steady_clock::now();
     for (;;) {
