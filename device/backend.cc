@@ -14,6 +14,13 @@ using runtime::ErrorCode;
 
 void Backend::CheckIndex(int index, const char* what) const {
   const int count = DeviceCount();
+  if (count == 0) {
+    const std::string why = UnavailableReason();
+    if (!why.empty()) {
+      throw Error(ErrorCode::kUnavailable,
+                  absl::StrCat(what, " on ", name(), ":", index, ": ", why));
+    }
+  }
   if (index < 0 || index >= count) {
     throw Error(ErrorCode::kInvalidArgument,
                 absl::StrCat(what, ": device index ", index, " is out of range for backend \"",

@@ -73,6 +73,10 @@ class Backend {
   /// The backend's interprocess interface (device/ipc.h), or null when its memory cannot cross
   /// processes. Never initializes.
   virtual IpcBackend* ipc() { return nullptr; }
+  /// Why the backend has no devices on this machine or in this build ("no CUDA devices:
+  /// libcuda.so.1 not found (...)"), or "" when that needs no explanation. With a reason, operations on a backend without devices
+  /// throw kUnavailable instead of kInvalidArgument. Never initializes.
+  virtual std::string UnavailableReason() const { return ""; }
 
   /// Allocates `bytes` (> 0) on device `index`. Throws kResourceExhausted when memory runs out.
   void* Allocate(int index, size_t bytes);

@@ -8,8 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "device/ipc.h"
 #include "device/cpu_backend.h"
+#include "device/cuda_backend.h"
+#include "device/ipc.h"
 #include "device/sim_backend.h"
 #include "runtime/at_fork.h"
 #include "runtime/error.h"
@@ -33,6 +34,8 @@ struct Registry {
     for (auto& b : backends) b.store(nullptr);
     backends[static_cast<int>(DeviceType::kCPU)].store(new CpuBackend());
     backends[static_cast<int>(DeviceType::kSimAccel)].store(new SimBackend());
+    // Always registered: without headers, driver or GPU it has no devices (and says why).
+    backends[static_cast<int>(DeviceType::kCUDA)].store(new CudaBackend());
     runtime::AtForkHandler h;
     h.name = "device_registry";
     h.prepare = [this](const runtime::PrepareAttempt&) {
@@ -130,6 +133,13 @@ std::vector<Device> AvailableDevices() {
 void CheckDevice(const Device& device) {
   Backend& b = GetBackend(device.type);
   const int n = b.DeviceCount();
+  if (n == 0) {
+    const std::string why = b.UnavailableReason();
+    if (!why.empty()) {
+      throw Error(ErrorCode::kUnavailable,
+                  absl::StrCat("device ", device.ToString(), " is not available: ", why));
+    }
+  }
   if (device.index < 0 || device.index >= n) {
     throw Error(ErrorCode::kInvalidArgument,
                 absl::StrCat("device ", device.ToString(), " does not exist: backend \"", b.name(),
