@@ -8,8 +8,10 @@
 //   - QueryCudaDevices: how many devices CUDA would show this process, and their names and
 //     memory, WITHOUT calling cuInit here (so that a fork afterwards stays safe): from NVML
 //     (libnvidia-ml.so.1, initialized and shut down again around the query), mapped through
-//     CUDA_VISIBLE_DEVICES when it is a plain list of indices; otherwise from a short-lived forked
-//     child that calls cuInit and answers over a pipe.
+//     CUDA_VISIBLE_DEVICES when it is a plain list of indices; otherwise (no NVML, MIG enabled,
+//     UUIDs in CUDA_VISIBLE_DEVICES) from a short-lived forked child that calls cuInit and answers
+//     over a pipe. The first query may therefore fork once and wait for that child, at most 30 s
+//     (then it is killed and the answer is "no devices", with that reason).
 //
 // Guarantees
 //   - Thread safety: LoadCudaDriver is called under the backend's initialization lock;
