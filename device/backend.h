@@ -91,6 +91,10 @@ class Backend {
 
   /// Initializes the backend now (normally it happens on first use). Throws like any operation.
   void Initialize();
+  /// Waits for the work this process queued on the devices it used, if it initialized the
+  /// backend (a no-op otherwise: never initializes). Errors stay for the next operation. mp/
+  /// children call it before they exit, so that tensors they sent hold what was written.
+  virtual void FinishQueuedWork() {}
   /// The state in this process.
   BackendState state() const { return state_.load(std::memory_order_acquire); }
   /// True when initialized in this process (and not poisoned).

@@ -3,7 +3,9 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -61,6 +64,20 @@ std::map<int, std::string> OpenFds() {
 }
 
 // Names the NVIDIA driver gives its descriptors and shared memory.
+// Whether `fd` is an exporter's exit page (see CudaContext) saying that it exited normally with
+// all its work done. Anything else (no page, another file, a crash) says no.
+bool ExitedAfterFinishingItsWork(int fd) {
+  if (fd < 0) return false;
+  char target[128];
+  const ssize_t n =
+      readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), target, sizeof target - 1);
+  if (n <= 0 || std::string(target, static_cast<size_t>(n)).rfind("/memfd:forksafe_cudaexit", 0) != 0) {
+    return false;
+  }
+  uint32_t word = 0;
+  return pread(fd, &word, sizeof word, 0) == static_cast<ssize_t>(sizeof word) && word == 1;
+}
+
 bool LooksLikeDriver(const std::string& path) {
   return path.rfind("/dev/nvidia", 0) == 0 || path.find("cuda") != std::string::npos ||
          path.find("nvidia") != std::string::npos;
@@ -219,6 +236,11 @@ struct DeviceState {
 
 struct CudaContext {
   const CudaDriver* d = nullptr;
+  pid_t owner = 0;
+  // A page other processes can read after this one is gone: 1 once it exited normally with all
+  // its streams synchronized (its IPC events cannot be opened then, but all its work was done).
+  int exit_fd = -1;
+  uint32_t* exit_word = nullptr;
   std::vector<std::unique_ptr<DeviceState>> devices;
   std::mutex fds_mu;
   std::set<int> driver_fds;  // descriptors the driver opened during initialization
@@ -610,7 +632,14 @@ void CudaBackend::DoInitialize() {
     c->devices.push_back(std::make_unique<DeviceState>());
     c->devices.back()->index = i;
   }
+  c->owner = getpid();
+  c->exit_fd = memfd_create("forksafe_cudaexit", MFD_CLOEXEC);
+  if (c->exit_fd >= 0 && fchmod(c->exit_fd, 0600) == 0 && ftruncate(c->exit_fd, 4096) == 0) {
+    void* p = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, c->exit_fd, 0);
+    if (p != MAP_FAILED) c->exit_word = static_cast<uint32_t*>(p);
+  }
   ctx_ = c.release();  // lives for the process (and is abandoned, untouched, in forked children)
+  RegisterExitDrain();
 }
 
 void CudaBackend::Enter(int index, const char* what) {
@@ -703,6 +732,41 @@ void SyncStream(CudaContext& c, DeviceState& st, const char* what) {
 }
 
 }  // namespace
+
+namespace {
+// Synchronizes every stream this process used, then marks the exit page (see CudaContext).
+void DrainAndMark(CudaContext* c) {
+  if (c == nullptr || c->owner != getpid()) return;
+  for (auto& st : c->devices) {
+    if (!st->ready) continue;
+    try {
+      SyncStream(*c, *st, "finishing queued work");
+    } catch (...) {
+      return;  // some work failed: the exit page keeps saying "not known to be complete"
+    }
+  }
+  if (c->exit_word != nullptr) __atomic_store_n(c->exit_word, 1u, __ATOMIC_RELEASE);
+}
+}  // namespace
+
+void CudaBackend::RegisterExitDrain() {
+  // Like the simulated accelerator: a normal exit finishes the work queued on every stream, then
+  // says so in the exit page, so that a receiver of a tensor sent just before exit() knows the
+  // data is complete even though the sender's IPC events died with it. (_exit and signals skip
+  // this; receivers then report that the data may be incomplete. mp/ children call
+  // FinishQueuedWork before their _exit.)
+  static CudaContext* at_exit_ctx = nullptr;
+  at_exit_ctx = ctx_;
+  static const bool registered = [] {
+    std::atexit([] { DrainAndMark(at_exit_ctx); });
+    return true;
+  }();
+  (void)registered;
+}
+
+void CudaBackend::FinishQueuedWork() {
+  if (state() == BackendState::kReady) DrainAndMark(ctx_);
+}
 
 void* CudaBackend::DoAllocate(int index, size_t bytes) {
   DeviceState& st = Dev(*ctx_, index);
@@ -1187,6 +1251,12 @@ IpcEventHandle CudaBackend::RecordIpcEvent(int index) {
   {
     std::lock_guard<std::mutex> lk(st.mu);
     stream = st.stream;
+    // Everything queued so far has finished (the usual case after a synchronous copy): nothing
+    // to wait for, and no event a receiver would have to open while this process still lives.
+    if (st.waits.empty() && st.failure.empty() && d->cuStreamQuery(stream) == CUDA_SUCCESS) {
+      h.complete = true;
+      return h;
+    }
     size_t slot = static_cast<size_t>(st.next_slot % kIpcEventPoolCapacity);
     bool have = slot < st.pool.size();
     if (!have && slot == st.pool.size()) {
@@ -1211,6 +1281,7 @@ IpcEventHandle CudaBackend::RecordIpcEvent(int index) {
       if (r != CUDA_SUCCESS) ThrowCu(*d, r, absl::StrCat("RecordIpcEvent on cuda:", index));
       ++st.next_slot;
       h.complete = false;
+      h.fd = ctx_->exit_fd;  // borrowed: read by receivers if this process is gone
       h.pool_id = st.pool_id;
       h.slot = static_cast<uint32_t>(slot);
       h.sequence = ++st.sequence;
@@ -1259,6 +1330,7 @@ void CudaBackend::WaitIpcEvent(int index, const IpcEventHandle& event) {
       std::memcpy(eh.reserved, event.opaque.data(), 64);
       const CUresult r = d->cuIpcOpenEventHandle(&ev, eh);
       if (r != CUDA_SUCCESS) {
+        if (!ProcessAlive(event.exporter) && ExitedAfterFinishingItsWork(event.fd)) return;
         if (!ProcessAlive(event.exporter)) {
           // Its work may or may not have finished: say so at the next Synchronize.
           st.failure = absl::StrCat("process ", event.exporter,
@@ -1321,6 +1393,7 @@ DeviceProperties CudaBackend::Properties(int index) const {
 CudaBackend::CacheStats CudaBackend::Stats(int) const { return {}; }
 
 void CudaBackend::DoInitialize() { throw Error(ErrorCode::kUnavailable, UnavailableReason()); }
+void CudaBackend::FinishQueuedWork() {}
 
 void CudaBackend::Enter(int index, const char* what) {
   CheckIndex(index, what);

@@ -64,6 +64,7 @@ class CudaBackend final : public Backend, public IpcBackend {
   /// Name and total memory (from NVML or the probe); supports_ipc is true. Never initializes.
   DeviceProperties Properties(int index) const override;
   IpcBackend* ipc() override { return this; }
+  void FinishQueuedWork() override;
   /// Why there are no devices ("libcuda.so.1 not found (...)"), or "" when there are.
   std::string UnavailableReason() const override;
 
@@ -117,6 +118,8 @@ class CudaBackend final : public Backend, public IpcBackend {
  private:
   // CheckIndex + initialization for the IpcBackend methods, with `what` in the error.
   void Enter(int index, const char* what);
+  // Registers (once) the exit handler that synchronizes every stream and marks the exit page.
+  void RegisterExitDrain();
 
   internal::CudaContext* ctx_ = nullptr;  // created by DoInitialize; leaked after fork
 };

@@ -105,6 +105,16 @@ Backend& GetBackend(DeviceType type) {
   return *b;
 }
 
+void FinishQueuedWork() {
+  Reg().ForEach([](Backend& b) {
+    try {
+      b.FinishQueuedWork();
+    } catch (...) {
+      // Left for the next operation, as documented.
+    }
+  });
+}
+
 IpcBackend& GetIpcBackend(Device device) {
   CheckDevice(device);
   IpcBackend* ipc = GetBackend(device.type).ipc();

@@ -77,6 +77,10 @@ void Copy(void* dst, const Device& dst_device, const void* src, const Device& sr
           size_t bytes);
 /// Waits for all queued work on `device`.
 void Synchronize(const Device& device);
+/// Backend::FinishQueuedWork() of every backend: waits for the work this process queued on any
+/// device it used, never initializing anything; errors stay for the next operation. mp/ children
+/// call it before they exit.
+void FinishQueuedWork();
 
 }  // namespace forksafe::device
 

@@ -693,6 +693,12 @@ size_t SimBackend::BytesReserved(int index) const {
   return ctx_->devices[index].reserved;
 }
 
+void SimBackend::FinishQueuedWork() {
+  if (state() == BackendState::kReady && ctx_ != nullptr && ctx_->owner == getpid()) {
+    ctx_->WaitAll();
+  }
+}
+
 pid_t SimBackend::context_owner() const { return ctx_ != nullptr ? ctx_->owner : 0; }
 
 void SimBackend::DoForkChild() {

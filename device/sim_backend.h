@@ -66,6 +66,7 @@ class SimBackend final : public Backend, public IpcBackend {
   int DeviceCount() const override;
   DeviceProperties Properties(int index) const override;
   IpcBackend* ipc() override { return this; }
+  void FinishQueuedWork() override;
 
   /// Queues `kernel` on device `index`'s stream, after all earlier work. It runs on the device
   /// thread with a host view of [ptr, ptr + bytes), which must lie inside one allocation.

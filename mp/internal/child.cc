@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "device/registry.h"
 #include "mp/internal/server_auth.h"
 #include "mp/internal/shm_manager.h"
 #include "runtime/at_fork.h"
@@ -210,6 +211,9 @@ void RunChildBody(const std::function<void()>& target, Connection result, const 
     }
   }
   EnableThrowTraceCapture(false);
+  // Device work this child queued (a kernel writing a tensor it sent) finishes before it exits,
+  // so receivers read complete data (device/ipc.h).
+  device::FinishQueuedWork();
   fflush(nullptr);
   _exit(code);
 }

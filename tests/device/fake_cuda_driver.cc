@@ -13,10 +13,12 @@
 // Hazard: it proves the backend's bookkeeping (allocator, IPC tables, the fork rules), not its
 // use of a real driver: ordering, contexts and driver errors only a GPU can check.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -264,11 +266,18 @@ CUresult cuEventDestroy_v2(void* e) {
   free(e);
   return 0;
 }
+// An event handle names its process: like a real driver's, it cannot be opened once that process
+// is gone (CUDA_ERROR_INVALID_HANDLE).
 CUresult cuIpcGetEventHandle(void* h, void*) {
   memset(h, 7, 64);
+  const int pid = getpid();
+  memcpy(h, &pid, sizeof pid);
   return 0;
 }
-CUresult cuIpcOpenEventHandle(void** e, H64) {
+CUresult cuIpcOpenEventHandle(void** e, H64 h) {
+  int pid = 0;
+  memcpy(&pid, &h, sizeof pid);
+  if (kill(pid, 0) != 0 && errno == ESRCH) return 400;
   *e = malloc(1);
   return 0;
 }
