@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -117,6 +118,18 @@ forksafe::device::Tensor Normalize(forksafe::device::Tensor t) {
   return t.Select(0, 0);
 }
 FORKSAFE_ENTRY_POINT(Normalize);
+
+// Receives `n` tensors on the simulated accelerator and sends back each one's sum. The device
+// memory it reads is the producer's; the producer dropped each tensor right after sending it.
+void SumDeviceTensors(forksafe::mp::Queue in, forksafe::mp::Queue sums, int n) {
+  for (int i = 0; i < n; ++i) {
+    forksafe::device::Tensor t = in.get<forksafe::device::Tensor>(true, 30.0);
+    double s = 0;
+    for (float f : t.ToVector<float>()) s += f;
+    sums.put(std::make_pair(t.device().ToString(), s));
+  }
+}
+FORKSAFE_ENTRY_POINT(SumDeviceTensors);
 
 int Child(fr::ThreadPool& pool) {
   printf("  [child %d] default device: %s (the parent's was sim:0)\n", getpid(),
@@ -216,7 +229,27 @@ bool MultiprocessingDemo() {
          first_before, batch[0].data_ptr(), mp::get_sharing_strategy().c_str());
   pool.close();
   pool.join(10.0);
-  return in_place;
+  if (!in_place) return false;
+
+  printf("\n7. Tensors on sim:0 cross to a spawned process without leaving the device; the\n"
+         "   producer drops each one right after put().\n");
+  const fdv::Device sim0(fdv::DeviceType::kSimAccel, 0);
+  mp::Queue to_consumer, sums;
+  mp::Process consumer(mp::ProcessOptions{"consumer", false, "spawn"}, &SumDeviceTensors,
+                       to_consumer, sums, 4);
+  consumer.start();
+  for (int i = 1; i <= 4; ++i) {
+    to_consumer.put(fdv::Tensor::Full({1 << 18}, i, fdv::DType::kFloat32, sim0));  // a temporary
+  }
+  bool sums_ok = true;
+  for (int i = 1; i <= 4; ++i) {
+    const auto [where, s] = sums.get<std::pair<std::string, double>>(true, 30.0);
+    sums_ok &= where == "sim:0" && s == static_cast<double>(i) * (1 << 18);
+    printf("   consumer read a %s tensor of 1 MiB, sum %.0f (expected %.0f)\n", where.c_str(), s,
+           static_cast<double>(i) * (1 << 18));
+  }
+  consumer.join(10.0);
+  return sums_ok && consumer.exitcode() == 0;
 }
 
 int main(int argc, char** argv) {
