@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
+#include "tests/support/fd_passing.h"
 #include "device/cuda_backend.h"
 #include "device/registry.h"
 #include "runtime/error.h"
@@ -45,38 +46,6 @@ struct Exported {
 };
 Exported g_exported;
 
-bool SendFd(int sock, int fd, const void* data, size_t n) {
-  iovec iov{const_cast<void*>(data), n};
-  alignas(cmsghdr) char buf[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = buf;
-  msg.msg_controllen = sizeof buf;
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
-  return sendmsg(sock, &msg, 0) == static_cast<ssize_t>(n);
-}
-
-int ReceiveFd(int sock, void* data, size_t n) {
-  iovec iov{data, n};
-  alignas(cmsghdr) char buf[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = buf;
-  msg.msg_controllen = sizeof buf;
-  if (recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL) != static_cast<ssize_t>(n)) return -1;
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  if (c == nullptr || c->cmsg_type != SCM_RIGHTS) return -1;
-  int fd = -1;
-  std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
-  return fd;
-}
-
 // The exporting process: segments and events, then it waits for EOF on `sock`.
 [[noreturn]] void Exporter(int sock) {
   alarm(600);
@@ -86,7 +55,7 @@ int ReceiveFd(int sock, void* data, size_t n) {
       void* p = b.Allocate(0, n);
       b.Memset(0, p, 1, n);
       IpcMemoryHandle h = b.ExportMemory(0, p, n);
-      if (!SendFd(sock, h.fd, &h, sizeof h)) _exit(2);
+      if (!forksafe::testing::SendWithFd(sock, h.fd, &h, sizeof h)) _exit(2);
       close(h.fd);
     }
     for (int i = 0; i < kEvents; ++i) {
@@ -156,7 +125,7 @@ int main(int argc, char** argv) {
   int rc = 0;
   for (size_t i = 0; i < sizeof kSizes / sizeof kSizes[0] && rc == 0; ++i) {
     IpcMemoryHandle h;
-    const int fd = ReceiveFd(sv[0], &h, sizeof h);
+    const int fd = forksafe::testing::ReceiveWithFd(sv[0], &h, sizeof h);
     if (fd < 0) {
       fprintf(stderr, "cuda_ipc_benchmark: the exporter sent no segment (see its error above)\n");
       rc = 1;

@@ -403,6 +403,24 @@ void ReleaseFreeSegments(const CudaDriver* d, DeviceState& st) {
   for (Segment* seg : victims) DestroySegment(d, st, seg);
 }
 
+// Reserves `size` bytes of address space, maps `h` there and gives this device read-write access;
+// on failure undoes what it did (the caller releases `h`).
+CUresult ReserveAndMap(const CudaDriver* d, const DeviceState& st, CUmemGenericAllocationHandle h,
+                       size_t size, CUdeviceptr* va) {
+  CUresult r = d->cuMemAddressReserve(va, size, st.granularity, 0, 0);
+  if (r != CUDA_SUCCESS) return r;
+  r = d->cuMemMap(*va, size, 0, h, 0);
+  if (r == CUDA_SUCCESS) {
+    CUmemAccessDesc access{};
+    access.location = st.prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    r = d->cuMemSetAccess(*va, size, &access, 1);
+    if (r != CUDA_SUCCESS) d->cuMemUnmap(*va, size);
+  }
+  if (r != CUDA_SUCCESS) d->cuMemAddressFree(*va, size);
+  return r;
+}
+
 Segment* CreateSegment(const CudaDriver* d, DeviceState& st, size_t size, bool small,
                        CUresult* failure) {
   CUmemGenericAllocationHandle h = 0;
@@ -412,18 +430,7 @@ Segment* CreateSegment(const CudaDriver* d, DeviceState& st, size_t size, bool s
     return nullptr;
   }
   CUdeviceptr va = 0;
-  r = d->cuMemAddressReserve(&va, size, st.granularity, 0, 0);
-  if (r == CUDA_SUCCESS) {
-    r = d->cuMemMap(va, size, 0, h, 0);
-    if (r == CUDA_SUCCESS) {
-      CUmemAccessDesc access{};
-      access.location = st.prop.location;
-      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-      r = d->cuMemSetAccess(va, size, &access, 1);
-      if (r != CUDA_SUCCESS) d->cuMemUnmap(va, size);
-    }
-    if (r != CUDA_SUCCESS) d->cuMemAddressFree(va, size);
-  }
+  r = ReserveAndMap(d, st, h, size, &va);
   if (r != CUDA_SUCCESS) {
     d->cuMemRelease(h);
     *failure = r;
@@ -1081,18 +1088,7 @@ void* CudaBackend::ImportMemory(const IpcMemoryHandle& handle) {
   }
   CUdeviceptr va = 0;
   const size_t size = handle.segment_size;
-  r = d->cuMemAddressReserve(&va, size, st.granularity, 0, 0);
-  if (r == CUDA_SUCCESS) {
-    r = d->cuMemMap(va, size, 0, alloc, 0);
-    if (r == CUDA_SUCCESS) {
-      CUmemAccessDesc access{};
-      access.location = st.prop.location;
-      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-      r = d->cuMemSetAccess(va, size, &access, 1);
-      if (r != CUDA_SUCCESS) d->cuMemUnmap(va, size);
-    }
-    if (r != CUDA_SUCCESS) d->cuMemAddressFree(va, size);
-  }
+  r = ReserveAndMap(d, st, alloc, size, &va);
   if (r != CUDA_SUCCESS) {
     d->cuMemRelease(alloc);
     ThrowCu(*d, r, absl::StrCat("ImportMemory: mapping a segment of ", size, " bytes on cuda:",

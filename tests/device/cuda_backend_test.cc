@@ -29,6 +29,7 @@
 #include "device/ipc.h"
 #include "device/registry.h"
 #include "gtest/gtest.h"
+#include "tests/support/fd_passing.h"
 #include "runtime/error.h"
 #include "tests/support/child_process.h"
 
@@ -247,41 +248,6 @@ forksafe::testing::ChildResult SpawnHelper(const std::string& role, const std::s
   return WaitChild(pid, 90s);
 }
 
-// Sends `fd` over a unix socket.
-void SendFd(int sock, int fd) {
-  char byte = 0;
-  iovec iov{&byte, 1};
-  alignas(cmsghdr) char buf[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = buf;
-  msg.msg_controllen = sizeof buf;
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
-  if (sendmsg(sock, &msg, 0) != 1) ADD_FAILURE() << "sendmsg: " << strerror(errno);
-}
-
-int ReceiveFd(int sock) {
-  char byte = 0;
-  iovec iov{&byte, 1};
-  alignas(cmsghdr) char buf[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = buf;
-  msg.msg_controllen = sizeof buf;
-  if (recvmsg(sock, &msg, MSG_CMSG_CLOEXEC) != 1) return -1;
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
-  if (c == nullptr || c->cmsg_type != SCM_RIGHTS) return -1;
-  int fd = -1;
-  std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
-  return fd;
-}
-
 bool WriteAll(int fd, const void* p, size_t n) {
   const char* c = static_cast<const char*>(p);
   while (n > 0) {
@@ -374,8 +340,8 @@ TEST(CudaHelper, Run) {
       close(sv[0]);
       alarm(60);
       IpcMemoryHandle h;
-      const int fd = ReceiveFd(sv[1]);
-      if (fd < 0 || !ReadAll(sv[1], &h, sizeof h)) _exit(20);
+      const int fd = forksafe::testing::ReceiveWithFd(sv[1], &h, sizeof h);
+      if (fd < 0) _exit(20);
       h.fd = fd;
       const int rc = ImportCheckAndReply(h, 5, 6);
       close(fd);
@@ -389,8 +355,7 @@ TEST(CudaHelper, Run) {
     const auto in = Pattern(n, 5);
     b.Copy(p, kCuda0, in.data(), kCPU, n);
     IpcMemoryHandle h = b.ExportMemory(0, p, n);
-    SendFd(sv[0], h.fd);
-    EXPECT_TRUE(WriteAll(sv[0], &h, sizeof h));
+    EXPECT_TRUE(forksafe::testing::SendWithFd(sv[0], h.fd, &h, sizeof h));
     char done = 0;
     EXPECT_TRUE(ReadAll(sv[0], &done, 1));
     auto r = WaitChild(pid, 60s);
