@@ -3,6 +3,8 @@
 #include <poll.h>
 #include <sys/wait.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -96,16 +98,20 @@ void ProcessContext::TerminateAll() {
 
 bool ProcessContext::join(Timeout timeout) {
   const internal::Deadline deadline = internal::DeadlineAfter(timeout, "ProcessContext::join");
-  auto sleep = std::chrono::microseconds(100);
+  // Event-driven: each round looks only at the processes whose descriptor woke the poll (all of
+  // them in the first round), then sleeps in one poll() on the descriptors of those still
+  // running, so the join wakes as soon as any of them exits and costs nothing while they run.
+  std::vector<size_t> check;
+  for (size_t i = 0; i < processes_.size(); ++i) {
+    if (!done_[i]) check.push_back(i);
+  }
+  std::vector<size_t> running;
+  std::vector<pollfd> fds;
+  auto sleep = std::chrono::microseconds(100);  // only where a process has no descriptor
   for (;;) {
-    bool all_done = true;
-    for (size_t i = 0; i < processes_.size(); ++i) {
-      if (done_[i]) continue;
+    for (const size_t i : check) {
       Process& p = processes_[i];
-      if (p.pid() == 0 || !p.join(std::chrono::duration<double>(0))) {
-        all_done = false;
-        continue;
-      }
+      if (done_[i] || p.pid() == 0 || !p.join(std::chrono::duration<double>(0))) continue;
       const int code = *p.exitcode();
       if (code == 0) {
         done_[i] = true;
@@ -118,32 +124,43 @@ bool ProcessContext::join(Timeout timeout) {
       if (failure.has_value()) throw ProcessRaisedException(static_cast<int>(i), p.pid(), *failure);
       throw ProcessExitedException(static_cast<int>(i), p.pid(), code);
     }
-    if (all_done) return true;
-    if (deadline.has_value() && internal::Clock::now() >= *deadline) return false;
-    // Sleep until one of them exits (or reports), not for a fixed time.
-    std::vector<pollfd> fds;
+    running.clear();
+    fds.clear();
     bool all_pollable = true;
     for (size_t i = 0; i < processes_.size(); ++i) {
       if (done_[i]) continue;
+      running.push_back(i);
       const int fd = processes_[i].wait_fd();
-      if (fd < 0) {
-        all_pollable = false;
-        continue;
-      }
+      if (fd < 0) all_pollable = false;
       fds.push_back(pollfd{fd, POLLIN, 0});
     }
-    int ms = 100;
+    if (running.empty()) return true;
+    int ms = -1;
     if (deadline.has_value()) {
-      ms = std::min<int64_t>(
-          ms, std::chrono::ceil<std::chrono::milliseconds>(*deadline - internal::Clock::now()).count());
-      ms = std::max(ms, 0);
+      const auto left = *deadline - internal::Clock::now();
+      if (left <= internal::Clock::duration::zero()) return false;
+      ms = static_cast<int>(std::min<int64_t>(
+          std::chrono::ceil<std::chrono::milliseconds>(left).count(), 24 * 3600 * 1000));
     }
-    if (all_pollable && !fds.empty()) {
-      ::poll(fds.data(), fds.size(), ms);
-    } else {
-      std::this_thread::sleep_for(sleep);
+    if (!all_pollable) {
+      // No pidfds (old kernels): look at every process again after a short, growing sleep.
+      auto nap = std::chrono::duration_cast<internal::Clock::duration>(sleep);
+      if (deadline.has_value()) nap = std::min(nap, *deadline - internal::Clock::now());
+      std::this_thread::sleep_for(nap);
       if (sleep < std::chrono::milliseconds(2)) sleep *= 2;
+      check = running;
+      continue;
     }
+    const int n = ::poll(fds.data(), fds.size(), ms);
+    check.clear();
+    if (n > 0) {
+      for (size_t k = 0; k < fds.size(); ++k) {
+        if (fds[k].revents != 0) check.push_back(running[k]);
+      }
+    } else if (n < 0 && errno != EINTR) {
+      runtime::ThrowSystemError("poll in ProcessContext::join", errno);
+    }
+    // n == 0 (the timeout) or EINTR: the next round returns false at the deadline or polls again.
   }
 }
 

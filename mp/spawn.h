@@ -86,8 +86,10 @@ class ProcessContext {
   ~ProcessContext();
   ProcessContext(ProcessContext&&) = default;
 
-  /// Waits at most `timeout` (nullopt: until all finished). Returns true when every process
-  /// finished successfully, false when some still run at the timeout. Throws
+  /// Waits at most `timeout` (nullopt: until all finished), sleeping in one poll() on the
+  /// processes' pidfds (fork server: report channels), so it wakes as soon as any of them exits.
+  /// Returns true when every process finished successfully, false when some still run at the
+  /// timeout. Throws
   /// ProcessRaisedException / ProcessExitedException on the first failure, after terminating
   /// and reaping the others.
   bool join(Timeout timeout = std::nullopt);

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <set>
 #include <stdexcept>
 #include <thread>
 
@@ -40,6 +41,24 @@ FORKSAFE_ENTRY_POINT(SleepThenExit);
   if (how == "kill") raise(SIGKILL);
 }
 FORKSAFE_ENTRY_POINT(OneFails);
+
+// The last process (index n - 1) throws at once; every other one sleeps long.
+void LastFails(int i, int n) {
+  if (i == n - 1) throw std::runtime_error("the last one gave up");
+  std::this_thread::sleep_for(60s);
+}
+FORKSAFE_ENTRY_POINT(LastFails);
+
+// Process 0 succeeds at once, process n - 1 throws after `delay` seconds, the others sleep long.
+void FirstSucceedsLastFailsLater(int i, int n, double delay) {
+  if (i == 0) return;
+  if (i == n - 1) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(delay));
+    throw std::runtime_error("late failure");
+  }
+  std::this_thread::sleep_for(60s);
+}
+FORKSAFE_ENTRY_POINT(FirstSucceedsLastFailsLater);
 
 class SpawnTest : public ::testing::TestWithParam<std::string> {
  protected:
@@ -77,6 +96,81 @@ TEST_P(SpawnTest, JoinWithTimeoutReturnsFalseWhileRunning) {
   EXPECT_FALSE(ctx->join(0.05));
   EXPECT_TRUE(ctx->join(30.0));
   EXPECT_EQ(ctx->pids().size(), 2u);
+}
+
+TEST_P(SpawnTest, JoinWithTimeoutWaitsItsTimeoutThenSeesTheExit) {
+  auto ctx = spawn(&SleepThenExit, std::make_tuple(0.3), Options(2, /*join=*/false));
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(ctx->join(0.05));
+  // A false join has waited its whole timeout (it is not a poll that returns at once).
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 50ms);
+  for (Process& p : ctx->processes()) EXPECT_TRUE(p.is_alive());
+  EXPECT_FALSE(ctx->join(0.0));
+  EXPECT_TRUE(ctx->join(30.0));
+  for (Process& p : ctx->processes()) {
+    EXPECT_FALSE(p.is_alive());
+    EXPECT_EQ(p.exitcode(), 0);
+  }
+  EXPECT_TRUE(ctx->join(0.0));  // joined: stays true
+}
+
+TEST_P(SpawnTest, FailureOfTheLastStartedProcessIsSeenWhileTheFirstSleeps) {
+  const int n = 4;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    spawn(&LastFails, std::make_tuple(n), Options(n));
+    FAIL() << "no error";
+  } catch (const ProcessRaisedException& e) {
+    EXPECT_EQ(e.error_index(), n - 1);
+    EXPECT_EQ(e.failure().message, "the last one gave up");
+  }
+  // Bounds a hang (the sleepers sleep 60 s), not a speed.
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s)
+      << "the failure was not seen until the sleeping processes ended";
+}
+
+TEST_P(SpawnTest, FailureAfterAnotherProcessSucceededIsSeenAndTheRestTerminated) {
+  const int n = 3;
+  auto ctx = spawn(&FirstSucceedsLastFailsLater, std::make_tuple(n, 0.2), Options(n, false));
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    while (!ctx->join(30.0)) {
+    }
+    FAIL() << "no error";
+  } catch (const ProcessRaisedException& e) {
+    EXPECT_EQ(e.error_index(), n - 1);
+    EXPECT_EQ(e.failure().message, "late failure");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s);
+  auto& ps = ctx->processes();
+  EXPECT_EQ(ps[0].exitcode(), 0);
+  EXPECT_EQ(ps[1].exitcode(), -SIGTERM);  // terminated, and reaped
+  EXPECT_EQ(ps[2].exitcode(), 1);
+  for (Process& p : ps) EXPECT_FALSE(p.is_alive());
+}
+
+TEST_P(SpawnTest, ManyProcessesAllRunAndAreReaped) {
+  const int n = GetParam() == "spawn" ? 16 : 48;
+  auto [parent, child] = Pipe();
+  auto ctx = spawn(&Report, std::make_tuple(child, 1000), Options(n));
+  std::vector<int> seen(n, 0);
+  for (int k = 0; k < n; ++k) {
+    ASSERT_TRUE(parent.poll(10s));
+    Message m = parent.RecvMessage(std::nullopt);
+    int i = -1, v = -1;
+    Decode(m, i, v);
+    ASSERT_GE(i, 0);
+    ASSERT_LT(i, n);
+    EXPECT_EQ(v, 1000 + i);
+    ++seen[i];
+  }
+  EXPECT_EQ(seen, std::vector<int>(n, 1));
+  std::set<pid_t> pids;
+  for (Process& p : ctx->processes()) {
+    EXPECT_EQ(p.exitcode(), 0);
+    pids.insert(p.pid());
+  }
+  EXPECT_EQ(pids.size(), static_cast<size_t>(n));
 }
 
 TEST_P(SpawnTest, ExceptionInAChildIsRaisedInTheParent) {
