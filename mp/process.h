@@ -85,7 +85,9 @@ struct ProcessOptions {
 struct ChildFailure {
   std::string type;       ///< The exception's type, demangled ("std::runtime_error").
   std::string message;    ///< Its what().
-  std::string traceback;  ///< The child's stack at the throw, one frame a line (may be empty).
+  /// The child's stack at the throw, one frame a line, from the throw down to the target (the
+  /// library's launcher frames below it are left out); may be empty.
+  std::string traceback;
 
   template <class Archive>
   void serialize(Archive& ar) {

@@ -72,9 +72,11 @@ void WatchLifeline(FileDescriptor read_end);
                                const std::string& name);
 
 // ---- stack traces at throw points -------------------------------------------------------------
-/// Turns capture on for this thread (children turn it on around their target).
+/// Turns capture on for this thread (children turn it on around their target). The caller's
+/// frame and its callers' are recorded, and left out of the traces.
 void EnableThrowTraceCapture(bool on);
-/// The symbolized stack recorded at the most recent throw on this thread ("" if none).
+/// The symbolized stack recorded at the most recent throw on this thread ("" if none), from the
+/// throw down to the frame just above the function that turned capture on.
 std::string LastThrowTrace();
 
 // ---- fork server ------------------------------------------------------------------------------

@@ -24,6 +24,10 @@ struct ThrowTrace {
   bool enabled = false;
   int depth = 0;
   void* frames[kMaxFrames];
+  // The stack of whoever turned capture on (the child's launcher, RunChildBody): these frames
+  // end every trace, and are neither symbolized nor shown.
+  int base_depth = 0;
+  void* base[kMaxFrames];
 };
 
 ThrowTrace& Trace() {
@@ -37,16 +41,42 @@ void EnableThrowTraceCapture(bool on) {
     return true;
   }();
   (void)symbolizer_ready;
-  Trace().enabled = on;
-  Trace().depth = 0;
+  ThrowTrace& t = Trace();
+  t.enabled = on;
+  t.depth = 0;
+  // base[0] is the caller's own frame, base[1..] its callers' (GetStackTrace starts at the
+  // caller of the function that calls it).
+  t.base_depth = on ? absl::GetStackTrace(t.base, kMaxFrames, 0) : 0;
 }
+
+namespace {
+
+// How many frames of the last trace belong to the code run under capture: the trace without the
+// frame of the function that turned capture on and that function's callers (the launcher's
+// frames, down to main and _start, which every child's trace would repeat). Symbolizing is the
+// slow part of a report (a scan of the symbol table per frame), so those frames are not even
+// looked up. When the trace's tail does not match the recorded stack (a truncated trace, an
+// unwinder that saw the frames differently) every frame is kept.
+int FramesToShow(const ThrowTrace& t) {
+  const int common = t.base_depth - 1;  // the callers of the capturing function
+  if (common < 1 || t.depth >= kMaxFrames || t.base_depth >= kMaxFrames || t.depth <= common + 1) {
+    return t.depth;
+  }
+  for (int k = 1; k <= common; ++k) {
+    if (t.frames[t.depth - k] != t.base[t.base_depth - k]) return t.depth;
+  }
+  return t.depth - common - 1;  // also without the capturing function's own frame
+}
+
+}  // namespace
 
 std::string LastThrowTrace() {
   const ThrowTrace& t = Trace();
   std::string out;
   int shown = 0;
   bool in_hook = true;
-  for (int i = 0; i < t.depth; ++i) {
+  const int depth = FramesToShow(t);
+  for (int i = 0; i < depth; ++i) {
     char name[512];
     // Frames are return addresses; the call is the instruction before. A throw is often the last
     // call of its function, so pc itself can already belong to the next function.

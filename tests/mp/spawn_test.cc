@@ -184,6 +184,11 @@ TEST_P(SpawnTest, ExceptionInAChildIsRaisedInTheParent) {
     EXPECT_EQ(e.failure().type, "std::runtime_error");
     EXPECT_EQ(e.failure().message, "rank 1 gave up");
     EXPECT_NE(e.failure().traceback.find("OneFails"), std::string::npos) << e.failure().traceback;
+    // The trace ends at the target: the launcher's frames (the child body, spawn(), main) are
+    // left out.
+    EXPECT_EQ(e.failure().traceback.find("RunChildBody"), std::string::npos)
+        << e.failure().traceback;
+    EXPECT_EQ(e.failure().traceback.find(" main"), std::string::npos) << e.failure().traceback;
     const std::string what = e.what();
     EXPECT_NE(what.find("process 1"), std::string::npos) << what;
     EXPECT_NE(what.find("rank 1 gave up"), std::string::npos) << what;
