@@ -204,8 +204,17 @@ SharedArena::SharedArena() : impl_(new Impl()) {
     // The shared_ptrs of owned segments are intentionally kept alive by leaking the vector: the
     // inherited SharedBlocks hold their own references anyway.
     new (&impl_->owned) std::vector<std::shared_ptr<Segment>>();
-    impl_->free_bins.clear();
-    impl_->pending.clear();
+    // The parent's free lists are abandoned the same way, not cleared: clearing them would write
+    // to every cached entry's control block (a weak_ptr release each) and free the lists' memory,
+    // which makes malloc consolidate its free chunks. Each page written is a copy-on-write fault
+    // in the child; with a few hundred cached blocks that was most of a fork's cost
+    // (docs/performance.md, "fork").
+    using Bins = decltype(impl_->free_bins);
+    using Pending = decltype(impl_->pending);
+    using PendingSet = decltype(impl_->pending_set);
+    new (&impl_->free_bins) Bins();
+    new (&impl_->pending) Pending();
+    new (&impl_->pending_set) PendingSet();
     impl_->mu.unlock();
   };
   runtime::AtForkRegistry::Get().Register(&tag, std::move(h));

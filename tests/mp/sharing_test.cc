@@ -14,7 +14,9 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <functional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -359,6 +361,34 @@ TEST(SharingTest, HundredThousandTensorsUnderADescriptorLimitOf1024) {
     return 0;
   }, 240s, 240);
   EXPECT_TRUE(r.ok()) << r.Describe();
+}
+
+TEST(SharingTest, AForkedChildDoesNotHandOutTheParentsCachedBlocks) {
+  // Blocks freed in the parent wait in its arena's cache, to be handed out again by the parent.
+  // A forked child inherits that cache but must start an allocator of its own: were it to reuse
+  // them, the child and the parent would write into the same shared memory.
+  constexpr int kCount = 64;
+  std::set<const void*> parents;
+  {
+    std::vector<Tensor> ts;
+    for (int i = 0; i < kCount; ++i) {
+      ts.push_back(SharedEmpty({1024}));
+      parents.insert(ts.back().data_ptr());
+    }
+  }  // freed: cached in the parent's arena
+  auto r = forksafe::testing::RunInChild([&parents] {
+    std::vector<Tensor> ts;
+    for (int i = 0; i < kCount; ++i) {
+      ts.push_back(SharedEmpty({1024}));
+      if (parents.count(ts.back().data_ptr()) != 0) return 2;
+      std::fill_n(static_cast<float*>(ts.back().data_ptr()), 1024, 2.0f);
+    }
+    return 0;
+  });
+  EXPECT_TRUE(r.ok()) << r.Describe();
+  // The parent still serves its cached blocks.
+  Tensor again = SharedEmpty({1024});
+  EXPECT_EQ(parents.count(again.data_ptr()), 1u);
 }
 
 TEST(SharingTest, RunningOutIsAClearErrorNotASigbus) {
