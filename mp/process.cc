@@ -423,6 +423,17 @@ void Process::close() {
   p.state = Impl::State::kClosed;
 }
 
+bool Process::reported_failure() {
+  Impl& p = *impl_;
+  if (p.state == Impl::State::kStarted && p.owner == getpid()) p.ReadReports(internal::Clock::now());
+  return p.failure.has_value();
+}
+
+int Process::report_fd() const {
+  if (impl_->state == Impl::State::kNew || impl_->state == Impl::State::kClosed) return -1;
+  return impl_->result.closed() ? -1 : impl_->result.fileno();
+}
+
 int Process::wait_fd() const {
   if (impl_->state != Impl::State::kStarted) return -1;
   return impl_->method == "forkserver" ? impl_->result.fileno() : impl_->pidfd.get();

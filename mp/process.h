@@ -159,6 +159,14 @@ class Process {
   /// The exception the target threw, once the process exited (nullopt if it did not throw).
   std::optional<ChildFailure> failure();
 
+  /// True once the target's failure report has arrived, which happens just before the process
+  /// exits with code 1; reads the reports that are waiting, never blocks. Lets a caller act on a
+  /// failure without waiting for the exit.
+  bool reported_failure();
+  /// The channel the process reports on (its failure, then end-of-file at exit), for poll()ing
+  /// next to wait_fd(); -1 before start and after close().
+  int report_fd() const;
+
   /// A descriptor that becomes readable when the process exits (a pidfd for fork and spawn, the
   /// report channel for forkserver), for poll()ing many processes at once; -1 when there is
   /// none (kernels without pidfds). Owned by the Process.

@@ -75,11 +75,12 @@ std::vector<pid_t> ProcessContext::pids() const {
   return out;
 }
 
-void ProcessContext::TerminateAll() {
+void ProcessContext::TerminateAll(int spare) {
   bool any = false;
-  for (Process& p : processes_) {
+  for (size_t i = 0; i < processes_.size(); ++i) {
+    Process& p = processes_[i];
     if (p.pid() != 0 && p.is_alive()) {
-      p.terminate();
+      if (static_cast<int>(i) != spare) p.terminate();
       any = true;
     }
   }
@@ -100,7 +101,8 @@ bool ProcessContext::join(Timeout timeout) {
   const internal::Deadline deadline = internal::DeadlineAfter(timeout, "ProcessContext::join");
   // Event-driven: each round looks only at the processes whose descriptor woke the poll (all of
   // them in the first round), then sleeps in one poll() on the descriptors of those still
-  // running, so the join wakes as soon as any of them exits and costs nothing while they run.
+  // running (their pidfds and report channels), so the join wakes as soon as any of them exits
+  // or reports a failure, and costs nothing while they run.
   std::vector<size_t> check;
   for (size_t i = 0; i < processes_.size(); ++i) {
     if (!done_[i]) check.push_back(i);
@@ -111,7 +113,16 @@ bool ProcessContext::join(Timeout timeout) {
   for (;;) {
     for (const size_t i : check) {
       Process& p = processes_[i];
-      if (done_[i] || p.pid() == 0 || !p.join(std::chrono::duration<double>(0))) continue;
+      if (done_[i] || p.pid() == 0) continue;
+      if (!p.join(std::chrono::duration<double>(0))) {
+        if (!p.reported_failure()) continue;
+        // The target threw and the process is about to exit with code 1: stop the others now,
+        // while it exits, rather than after.
+        const ChildFailure failure = *p.failure();
+        TerminateAll(static_cast<int>(i));
+        for (size_t j = 0; j < done_.size(); ++j) done_[j] = true;
+        throw ProcessRaisedException(static_cast<int>(i), p.pid(), failure);
+      }
       const int code = *p.exitcode();
       if (code == 0) {
         done_[i] = true;
@@ -127,14 +138,21 @@ bool ProcessContext::join(Timeout timeout) {
     running.clear();
     fds.clear();
     bool all_pollable = true;
+    bool any_running = false;
     for (size_t i = 0; i < processes_.size(); ++i) {
       if (done_[i]) continue;
-      running.push_back(i);
+      any_running = true;
       const int fd = processes_[i].wait_fd();
       if (fd < 0) all_pollable = false;
+      running.push_back(i);
       fds.push_back(pollfd{fd, POLLIN, 0});
+      const int report = processes_[i].report_fd();
+      if (report >= 0 && report != fd) {
+        running.push_back(i);
+        fds.push_back(pollfd{report, POLLIN, 0});
+      }
     }
-    if (running.empty()) return true;
+    if (!any_running) return true;
     int ms = -1;
     if (deadline.has_value()) {
       const auto left = *deadline - internal::Clock::now();
@@ -148,14 +166,19 @@ bool ProcessContext::join(Timeout timeout) {
       if (deadline.has_value()) nap = std::min(nap, *deadline - internal::Clock::now());
       std::this_thread::sleep_for(nap);
       if (sleep < std::chrono::milliseconds(2)) sleep *= 2;
-      check = running;
+      check.clear();
+      for (size_t i = 0; i < processes_.size(); ++i) {
+        if (!done_[i]) check.push_back(i);
+      }
       continue;
     }
     const int n = ::poll(fds.data(), fds.size(), ms);
     check.clear();
     if (n > 0) {
       for (size_t k = 0; k < fds.size(); ++k) {
-        if (fds[k].revents != 0) check.push_back(running[k]);
+        if (fds[k].revents != 0 && (check.empty() || check.back() != running[k])) {
+          check.push_back(running[k]);
+        }
       }
     } else if (n < 0 && errno != EINTR) {
       runtime::ThrowSystemError("poll in ProcessContext::join", errno);

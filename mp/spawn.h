@@ -102,7 +102,9 @@ class ProcessContext {
   std::vector<pid_t> pids() const;
 
  private:
-  void TerminateAll();
+  /// SIGTERMs every running process but `spare` (-1: none), then reaps them all, SIGKILLing
+  /// those still alive after the grace period.
+  void TerminateAll(int spare = -1);
   std::vector<Process> processes_;
   std::vector<bool> done_;
   std::chrono::duration<double> grace_;
