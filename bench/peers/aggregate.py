@@ -313,7 +313,7 @@ def main():
         ("bd_spawn_fork_blocking_join", "start=fork", "spawn(nprocs=2, join=false) + blocking "
          "Process::join of each", "workload 4 (fork)"),
         ("bd_failure_blocking_join", "start=fork", "failure → error with the parent blocked on "
-         "the failing child (pidfd) instead of spawn()'s polling", "workload 4 (failure)"),
+         "the failing child (pidfd) instead of spawn()'s join", "workload 4 (failure)"),
         ("bd_throw", "", "a throw caught in-process (forksafe's throw hook records the stack)",
          "workload 4 (failure)"),
         ("bd_terminate_join", "", "terminate() + join() of a sleeping forked Process",

@@ -483,7 +483,7 @@ void RawSegment(const peers::Emitter& out, const peers::Plan& plan, int64_t byte
 }
 
 // Workload 4 (fork) with the two processes joined by blocking Process::join (pidfd) instead of
-// spawn()'s polling ProcessContext::join.
+// spawn()'s ProcessContext::join (which polls all the pidfds and report channels at once).
 void Spawn2BlockingJoin(const peers::Emitter& out, const peers::Plan& plan) {
   forksafe::mp::SpawnOptions o;
   o.nprocs = 2;
