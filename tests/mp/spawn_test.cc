@@ -49,11 +49,11 @@ void LastFails(int i, int n) {
 }
 FORKSAFE_ENTRY_POINT(LastFails);
 
-// Process 0 succeeds at once, process n - 1 throws after `delay` seconds, the others sleep long.
-void FirstSucceedsLastFailsLater(int i, int n, double delay) {
+// Process 0 succeeds at once, process n - 1 throws when told to on `go`, the others sleep long.
+void FirstSucceedsLastFailsLater(int i, int n, Connection go) {
   if (i == 0) return;
   if (i == n - 1) {
-    std::this_thread::sleep_for(std::chrono::duration<double>(delay));
+    if (go.poll(30s)) go.RecvMessage(std::nullopt);
     throw std::runtime_error("late failure");
   }
   std::this_thread::sleep_for(60s);
@@ -131,8 +131,12 @@ TEST_P(SpawnTest, FailureOfTheLastStartedProcessIsSeenWhileTheFirstSleeps) {
 
 TEST_P(SpawnTest, FailureAfterAnotherProcessSucceededIsSeenAndTheRestTerminated) {
   const int n = 3;
-  auto ctx = spawn(&FirstSucceedsLastFailsLater, std::make_tuple(n, 0.2), Options(n, false));
+  auto [parent, child] = Pipe();
+  auto ctx = spawn(&FirstSucceedsLastFailsLater, std::make_tuple(n, child), Options(n, false));
   const auto t0 = std::chrono::steady_clock::now();
+  // Process 0 has exited (successfully) before the last one is told to fail.
+  ASSERT_TRUE(ctx->processes()[0].join(30.0));
+  parent.send(1);
   try {
     while (!ctx->join(30.0)) {
     }
