@@ -347,8 +347,8 @@ struct SimContext {
                                  " bytes failed: ", std::strerror(err),
                                  " (host memory or descriptors ran out)"));
       }
-      runtime::ThrowSystemError(absl::StrCat("sim:", index, ": sizing a segment of ", size, " bytes"),
-                                err);
+      runtime::ThrowSystemError(
+          absl::StrCat("sim:", index, ": sizing a segment of ", size, " bytes"), err);
     }
     return fd;
   }
@@ -1001,14 +1001,14 @@ void SimBackend::WaitIpcEvent(int index, const IpcEventHandle& e) {
     if (it != ctx_->peer_pages.end()) page = it->second;
   }
   if (page == nullptr) {
-    if (e.fd < 0) throw Error(ErrorCode::kInvalidArgument, "WaitIpcEvent: malformed event: no descriptor");
-    size_t named = 0;
+    if (e.fd < 0) {
+      throw Error(ErrorCode::kInvalidArgument, "WaitIpcEvent: malformed event: no descriptor");
+    }
     const std::string target = internal::FdTarget(absl::StrCat("/proc/self/fd/", e.fd));
     if (target.rfind(absl::StrCat("/memfd:", internal::kEventName), 0) != 0) {
       throw Error(ErrorCode::kInvalidArgument,
                   "WaitIpcEvent: malformed event: the descriptor is not a sim event page");
     }
-    (void)named;
     auto fresh = std::make_shared<internal::SimEventPage>();
     fresh->fd = fcntl(e.fd, F_DUPFD_CLOEXEC, 0);
     if (fresh->fd < 0) runtime::ThrowSystemError("WaitIpcEvent: dup", errno);

@@ -26,6 +26,7 @@ namespace {
 using forksafe::testing::ChildResult;
 using forksafe::testing::RunInChild;
 using forksafe::testing::PoolSum;
+using forksafe::testing::BusyParent;
 using forksafe::testing::TbbSum;
 using namespace std::chrono_literals;
 
@@ -59,29 +60,7 @@ TEST(ForkStormTest, HundredsOfForksUnderLoad) {
   void* dev = device::Allocate(sim0, 1 << 16);
   device::SetDefaultDevice(sim0);
 
-  std::atomic<bool> stop{false};
-  std::atomic<long> submitted{0}, completed{0}, tbb_rounds{0};
-  std::thread feeder([&] {
-    while (!stop) {
-      pool.Post([&] {
-        volatile long x = 0;
-        for (int i = 0; i < 2000; ++i) x += i;
-        ++completed;
-      });
-      ++submitted;
-      if (submitted % 64 == 0) std::this_thread::sleep_for(200us);
-    }
-  });
-  // oneTBB is kept busy from pool workers, the way forksafe recommends (see runtime/tbb_fork.h):
-  // the drain joins them, which also releases their hold on oneTBB's scheduler.
-  runtime::ThreadPool tbb_pool(runtime::ThreadPoolOptions{1, "tbb_user", 5000ms});
-  std::thread tbb_user([&] {
-    while (!stop) {
-      auto round = tbb_pool.Submit([] { return TbbSum(50000); });
-      if (round.get() != 1249975000L) std::abort();
-      ++tbb_rounds;
-    }
-  });
+  BusyParent busy(pool);  // a feeder on `pool`, oneTBB from a pool worker
 
   std::atomic<int> failures{0}, total{0};
   auto forker = [&](int id) {
@@ -98,20 +77,20 @@ TEST(ForkStormTest, HundredsOfForksUnderLoad) {
   std::thread second_forker(forker, 1);
   forker(0);
   second_forker.join();
-  stop = true;
-  feeder.join();
-  tbb_user.join();
+  busy.Stop();
   pool.Wait();
 
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(total.load(), 2 * forks_per_thread);
-  EXPECT_EQ(completed.load(), submitted.load()) << "every task submitted in the parent ran once";
-  EXPECT_GT(tbb_rounds.load(), 0);
+  EXPECT_FALSE(busy.tbb_wrong.load()) << "a oneTBB reduction in the parent gave a wrong sum";
+  EXPECT_EQ(busy.completed.load(), busy.submitted.load())
+      << "every task submitted in the parent ran once";
+  EXPECT_GT(busy.tbb_rounds.load(), 0);
   const runtime::TbbForkStats tbb = runtime::GetTbbForkStats();
   const runtime::ThreadPoolStats ps = pool.stats();
   printf("storm: %d forks, %ld tasks, %ld oneTBB rounds in the parent; oneTBB finalized %llu, "
          "refused %llu, gave up %llu; pool drained %llu, deadline hits %llu\n",
-         total.load(), completed.load(), tbb_rounds.load(),
+         total.load(), busy.completed.load(), busy.tbb_rounds.load(),
          static_cast<unsigned long long>(tbb.finalized),
          static_cast<unsigned long long>(tbb.finalize_refused),
          static_cast<unsigned long long>(tbb.gave_up),

@@ -74,11 +74,6 @@ std::string Run(std::string_view input) {
   return o.str();
 }
 
-template <class... Ts>
-std::string Input(uint8_t control, const Ts&... values) {
-  return std::string(1, static_cast<char>(control)) + mp::Encode(values...).bytes;
-}
-
 }  // namespace
 
 std::string Describe(std::string_view input) { return Run(input); }
@@ -106,18 +101,20 @@ std::vector<Seed> Seeds() {
     s.push_back({"run_request_spawn", std::string(1, '\x00') + spawn.str(),
                  "run E name= args=0+3 result=no lifeline=yes"});
   }
-  s.push_back({"report_hello", Input(1, std::string("hello"), std::string()), "hello"});
+  s.push_back({"report_hello", ControlByteInput(1, std::string("hello"), std::string()), "hello"});
   s.push_back({"report_failure",
-               Input(1, std::string("failure"),
+               ControlByteInput(1, std::string("failure"),
                      mp::Encode(mp::ChildFailure{"std::runtime_error", "boom", "#0 f"}).bytes),
                "failure std::runtime_error: boom"});
-  s.push_back({"report_exit", Input(1, std::string("exit"), mp::Encode(int32_t{256}).bytes),
+  s.push_back({"report_exit",
+               ControlByteInput(1, std::string("exit"), mp::Encode(int32_t{256}).bytes),
                "exit 256"});
-  s.push_back({"server_pid", Input(2, int32_t{4242}), "pid 4242"});
-  s.push_back({"server_enomem", Input(2, int32_t{-12}), "error: internal"});
-  s.push_back({"track", Input(3, std::string("track"), std::string("forksafe_12_ab")),
+  s.push_back({"server_pid", ControlByteInput(2, int32_t{4242}), "pid 4242"});
+  s.push_back({"server_enomem", ControlByteInput(2, int32_t{-12}), "error: internal"});
+  s.push_back({"track", ControlByteInput(3, std::string("track"), std::string("forksafe_12_ab")),
                "track forksafe_12_ab"});
-  s.push_back({"track_bad_name", Input(3, std::string("track"), std::string("forksafe_1/../x")),
+  s.push_back({"track_bad_name",
+               ControlByteInput(3, std::string("track"), std::string("forksafe_1/../x")),
                "ignored"});
   return s;
 }

@@ -64,6 +64,13 @@ inline mp::Message MessageWithSlots(std::string bytes, std::initializer_list<boo
   return m;
 }
 
+/// An input of the targets that start with a control byte (which decoder, which slots): that byte,
+/// then the codec bytes of `values`.
+template <class... Ts>
+std::string ControlByteInput(uint8_t control, const Ts&... values) {
+  return std::string(1, static_cast<char>(control)) + mp::Encode(values...).bytes;
+}
+
 /// "error: <code name>" for `e`.
 inline std::string ErrorText(const runtime::Error& e) {
   return std::string("error: ") + runtime::ErrorCodeName(e.code());

@@ -48,11 +48,6 @@ std::string Run(std::string_view input) {
   return o.str();
 }
 
-template <class... Ts>
-std::string Input(uint8_t control, const Ts&... values) {
-  return std::string(1, static_cast<char>(control)) + mp::Encode(values...).bytes;
-}
-
 }  // namespace
 
 std::string Describe(std::string_view input) { return Run(input); }
@@ -67,18 +62,21 @@ std::vector<Seed> Seeds() {
   entry.entry = "Square";
   entry.runner_key = "runner";
   return {
-      {"task_local", Input(0, std::string("task"), uint64_t{7}, local, mp::Encode(int64_t{5}).bytes),
+      {"task_local",
+       ControlByteInput(0, std::string("task"), uint64_t{7}, local, mp::Encode(int64_t{5}).bytes),
        "task 7 fn(1,3,,) 8+2"},
-      {"task_entry", Input(0, std::string("task"), uint64_t{8}, entry, std::string("ab")),
+      {"task_entry",
+       ControlByteInput(0, std::string("task"), uint64_t{8}, entry, std::string("ab")),
        "task 8 fn(3,0,Square,runner) 2+2"},
-      {"exit", Input(0, std::string("exit"), uint64_t{0}, in::TaskFn(), std::string()),
+      {"exit", ControlByteInput(0, std::string("exit"), uint64_t{0}, in::TaskFn(), std::string()),
        "exit 0 fn(0,0,,) 0+2"},
-      {"reply_ready", Input(1, std::string("ready"), uint64_t{4242}, std::string()),
+      {"reply_ready", ControlByteInput(1, std::string("ready"), uint64_t{4242}, std::string()),
        "ready 4242 0+2"},
-      {"reply_done", Input(1, std::string("done"), uint64_t{7}, mp::Encode(int64_t{25}).bytes),
+      {"reply_done",
+       ControlByteInput(1, std::string("done"), uint64_t{7}, mp::Encode(int64_t{25}).bytes),
        "done 7 8+2"},
       {"reply_error",
-       Input(1, std::string("error"), uint64_t{7},
+       ControlByteInput(1, std::string("error"), uint64_t{7},
              mp::Encode(mp::ChildFailure{"std::logic_error", "bad", ""}).bytes),
        "error 7 43+2 std::logic_error: bad"},
   };

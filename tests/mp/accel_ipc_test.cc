@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -116,7 +117,8 @@ void SendBeforeTheWorkIsDone(std::string dev, Queue out) {
       for (size_t i = 0; i < bytes / sizeof(float); ++i) f[i] = 5.f;
     });
   } else {
-    for (int i = 0; i < 50; ++i) device::GetBackend(d.type).Memset(d.index, t.data_ptr(), 0, t.nbytes());
+    device::Backend& b = device::GetBackend(d.type);
+    for (int i = 0; i < 50; ++i) b.Memset(d.index, t.data_ptr(), 0, t.nbytes());
     std::vector<float> five(static_cast<size_t>(t.numel()), 5.f);
     // A synchronous copy is ordered after the memsets; the event then covers all of it.
     device::Copy(t.data_ptr(), d, five.data(), device::kCPU, t.nbytes());
@@ -580,6 +582,48 @@ TEST(SimIpc, HeldBlocksAreNotReusedUntilReleased) {
   sim.EmptyCache(0);
   void* c = device::Allocate(d, 4096);
   device::Free(d, c);
+  EXPECT_EQ(sim.BytesInUse(0), 0u);
+}
+
+TEST(SimIpc, BadCallsAreRefusedClearly) {
+  device::SimBackend& sim = Sim();
+  const Device d(DeviceType::kSimAccel, 0);
+  auto expect = [](const std::function<void()>& call, ErrorCode code, const char* text) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted a bad call (" << text << ")";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  expect([] { device::GetIpcBackend(device::kCPU); }, ErrorCode::kUnavailable,
+         "cross through shared memory");
+  void* a = device::Allocate(d, 4096);
+  void* inside = static_cast<char*>(a) + 256;
+  expect([&] { sim.HoldAfterFree(0, inside, [] { return true; }); },
+         ErrorCode::kInvalidArgument, "not the start of a live block");
+  expect([&] { sim.HoldAfterFree(0, a, nullptr); }, ErrorCode::kInvalidArgument,
+         "empty predicate");
+  expect([&] { sim.FreeForeign(0, a); }, ErrorCode::kInvalidArgument,
+         "not memory from AllocateForeign");
+  device::Free(d, a);
+  expect([&] { sim.AllocateForeign(0, 0); }, ErrorCode::kInvalidArgument, "size must be > 0");
+  void* f = sim.AllocateForeign(0, 512);
+  expect([&] { device::Free(d, f); }, ErrorCode::kInvalidArgument, "free it with FreeForeign");
+  expect([&] { sim.ExportMemory(0, f, 512); }, ErrorCode::kInvalidArgument,
+         "share it with ExportLegacyMemory");
+  sim.FreeForeign(0, f);
+  device::IpcEventHandle e = sim.RecordIpcEvent(0);
+  e.complete = false;
+  e.slot = 5000;
+  expect([&] { sim.WaitIpcEvent(0, e); }, ErrorCode::kInvalidArgument, "slot out of range");
+  device::IpcEventHandle foreign;
+  foreign.complete = false;
+  foreign.pool_id = 12345;
+  foreign.fd = -1;
+  expect([&] { sim.WaitIpcEvent(0, foreign); }, ErrorCode::kInvalidArgument, "no descriptor");
+  device::Synchronize(d);
   EXPECT_EQ(sim.BytesInUse(0), 0u);
 }
 

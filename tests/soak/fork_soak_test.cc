@@ -30,6 +30,7 @@ namespace {
 using forksafe::testing::ChildResult;
 using forksafe::testing::RunInChild;
 using forksafe::testing::PoolSum;
+using forksafe::testing::BusyParent;
 using forksafe::testing::TbbSum;
 using namespace std::chrono_literals;
 
@@ -75,27 +76,7 @@ TEST(ForkSoakTest, TenThousandForksUnderBusyPools) {
   const device::Device sim0(device::DeviceType::kSimAccel, 0);
   void* dev = device::Allocate(sim0, 1 << 16);
 
-  std::atomic<bool> stop{false};
-  std::atomic<long> submitted{0}, completed{0}, tbb_rounds{0};
-  std::thread feeder([&] {
-    while (!stop) {
-      pool.Post([&] {
-        volatile long x = 0;
-        for (int i = 0; i < 2000; ++i) x += i;
-        ++completed;
-      });
-      ++submitted;
-      if (submitted % 64 == 0) std::this_thread::sleep_for(200us);
-    }
-  });
-  runtime::ThreadPool tbb_pool(runtime::ThreadPoolOptions{1, "tbb_user", 5000ms});
-  std::atomic<bool> tbb_wrong{false};
-  std::thread tbb_user([&] {
-    while (!stop) {
-      if (tbb_pool.Submit([] { return TbbSum(50000); }).get() != 1249975000L) tbb_wrong = true;
-      ++tbb_rounds;
-    }
-  });
+  BusyParent busy(pool);  // a feeder on `pool`, oneTBB from a pool worker
 
   const auto start = std::chrono::steady_clock::now();
   std::atomic<int> failures{0}, done{0}, hung{0};
@@ -131,9 +112,7 @@ TEST(ForkSoakTest, TenThousandForksUnderBusyPools) {
   second.join();
   const double secs =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  stop = true;
-  feeder.join();
-  tbb_user.join();
+  busy.Stop();
   pool.Wait();
 
   const runtime::TbbForkStats tbb = runtime::GetTbbForkStats();
@@ -142,7 +121,7 @@ TEST(ForkSoakTest, TenThousandForksUnderBusyPools) {
          "%d hung; parent ran %ld pool tasks and %ld oneTBB rounds meanwhile; oneTBB finalized "
          "%llu, gave up %llu; pool drain deadline hits %llu\n",
          done.load(), secs, done.load() / secs, slowest_us.load() / 1000.0, failures.load(),
-         hung.load(), completed.load(), tbb_rounds.load(),
+         hung.load(), busy.completed.load(), busy.tbb_rounds.load(),
          static_cast<unsigned long long>(tbb.finalized),
          static_cast<unsigned long long>(tbb.gave_up),
          static_cast<unsigned long long>(ps.drain_timeouts));
@@ -150,9 +129,10 @@ TEST(ForkSoakTest, TenThousandForksUnderBusyPools) {
   EXPECT_EQ(done.load(), 2 * per_thread);
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(hung.load(), 0);
-  EXPECT_FALSE(tbb_wrong.load()) << "a oneTBB reduction in the parent gave a wrong sum";
-  EXPECT_EQ(completed.load(), submitted.load()) << "every task submitted in the parent ran once";
-  EXPECT_GT(tbb_rounds.load(), 0);
+  EXPECT_FALSE(busy.tbb_wrong.load()) << "a oneTBB reduction in the parent gave a wrong sum";
+  EXPECT_EQ(busy.completed.load(), busy.submitted.load())
+      << "every task submitted in the parent ran once";
+  EXPECT_GT(busy.tbb_rounds.load(), 0);
   EXPECT_EQ(tbb.gave_up, 0u);
   device::Free(sim0, dev);
   munmap(shared, 4096);

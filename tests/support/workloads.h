@@ -8,7 +8,9 @@
 #define FORKSAFE_TESTS_SUPPORT_WORKLOADS_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <thread>
 
 #include "oneapi/tbb/blocked_range.h"
 #include "oneapi/tbb/parallel_reduce.h"
@@ -37,6 +39,57 @@ inline int64_t PoolSum(runtime::ThreadPool& pool, int64_t n) {
   });
   return s.load();
 }
+
+/// Keeps a parent busy the way the fork tests need while other threads fork: a feeder thread
+/// posts short tasks to `pool` (resting 200 us after every 64), and a second thread runs
+/// TbbSum(50000) in a loop on a one-worker pool of its own (oneTBB used from a pool worker, as
+/// runtime/tbb_fork.h recommends: the drain joins that worker, which releases its hold on
+/// oneTBB). Stop() (or the destructor) ends both threads; the counters are then final.
+class BusyParent {
+ public:
+  explicit BusyParent(runtime::ThreadPool& pool)
+      : feeder_([this, &pool] {
+          while (!stop_) {
+            pool.Post([this] {
+              volatile long x = 0;
+              for (int i = 0; i < 2000; ++i) x += i;
+              ++completed;
+            });
+            if (++submitted % 64 == 0) {
+              std::this_thread::sleep_for(std::chrono::microseconds(200));
+            }
+          }
+        }),
+        tbb_user_([this] {
+          while (!stop_) {
+            if (tbb_pool_.Submit([] { return TbbSum(50000); }).get() != 1249975000L) {
+              tbb_wrong = true;
+            }
+            ++tbb_rounds;
+          }
+        }) {}
+  ~BusyParent() { Stop(); }
+  BusyParent(const BusyParent&) = delete;
+  BusyParent& operator=(const BusyParent&) = delete;
+
+  /// Ends both threads (idempotent). Tasks already posted may still run: Wait() on the pool.
+  void Stop() {
+    stop_ = true;
+    if (feeder_.joinable()) feeder_.join();
+    if (tbb_user_.joinable()) tbb_user_.join();
+  }
+
+  std::atomic<long> submitted{0};   ///< Tasks posted to the pool.
+  std::atomic<long> completed{0};   ///< Tasks that ran.
+  std::atomic<long> tbb_rounds{0};  ///< TbbSum rounds finished.
+  std::atomic<bool> tbb_wrong{false};  ///< Some round gave a wrong sum.
+
+ private:
+  std::atomic<bool> stop_{false};
+  runtime::ThreadPool tbb_pool_{runtime::ThreadPoolOptions{1, "tbb_user", std::chrono::seconds(5)}};
+  std::thread feeder_;    // declared last: started once everything above exists
+  std::thread tbb_user_;
+};
 
 }  // namespace forksafe::testing
 
