@@ -35,7 +35,8 @@ struct QueueShared {
   uint64_t ring_bytes;
   uint64_t head;        // bytes ever written (committed)
   uint64_t tail;        // bytes ever read
-  int64_t count;        // messages in the ring
+  int64_t count;        // messages in the ring; written atomically under the lock (a getter's
+                        // spin reads it without the lock)
   int64_t maxsize;      // <= 0: unbounded
   int64_t unfinished;   // JoinableQueue
   uint64_t next_seq;    // sequence number of the next message that carries descriptors
@@ -325,7 +326,7 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
       internal::WriteRing(s.ring(), cap, h->head, &rec, sizeof(rec));
       internal::WriteRing(s.ring(), cap, h->head + sizeof(rec), msg.bytes.data(), msg.bytes.size());
       h->head += need;  // commit
-      ++h->count;
+      __atomic_add_fetch(&h->count, 1, __ATOMIC_RELEASE);
       ++h->unfinished;
       const bool ring = __atomic_load_n(&h->get_sleepers, __ATOMIC_ACQUIRE) > 0;
       lock.Release();
@@ -365,7 +366,7 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
       // A reader died after taking this message's descriptors and before committing: the message
       // went with it. Drop the record.
       h->tail += rec.span;
-      --h->count;
+      __atomic_sub_fetch(&h->count, 1, __ATOMIC_RELEASE);
       --h->unfinished;
       continue;
     }
@@ -378,7 +379,7 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
     h->taken_seq = rec.seq;
   }
   h->tail += rec.span;  // commit
-  --h->count;
+  __atomic_sub_fetch(&h->count, 1, __ATOMIC_RELEASE);
   const bool pass_baton = h->count > 0 && __atomic_load_n(&h->get_sleepers, __ATOMIC_ACQUIRE) > 0;
   lock.Release();
   if (pass_baton) RingBell(s.bell_w.get());

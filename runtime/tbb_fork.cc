@@ -16,7 +16,12 @@ namespace forksafe::runtime {
 namespace {
 
 struct TbbForkState {
-  tbb::task_scheduler_handle handle;  // attached between forks
+  // A lifetime handle, held at all times except for a moment inside prepare (see HoldScheduler).
+  tbb::task_scheduler_handle handle;
+  // Guards `handle` against ReleaseTbbScheduler. Prepare takes it and keeps it across the fork
+  // (released in parent and child, or before prepare returns false), so that no thread can hold
+  // it when the child is made.
+  std::mutex mu;
   std::atomic<bool> usable{true};
   std::atomic<uint64_t> finalized{0};
   std::atomic<uint64_t> refused{0};
@@ -26,6 +31,27 @@ struct TbbForkState {
 TbbForkState& StateRef() {
   static auto* state = new TbbForkState();  // leaked: used by at-fork handlers
   return *state;
+}
+
+// Why forksafe holds a task_scheduler_handle between forks, not only during prepare.
+// oneTBB joins its worker threads only when the last reference to its scheduler is dropped by a
+// blocking finalize. When the last reference goes away otherwise (a thread that ran a oneTBB
+// algorithm exits, for example a pool worker that the pool's drain ends just before oneTBB's
+// prepare), oneTBB shuts its workers down *detached*: they exit on their own a moment later, and
+// on the way out they return their caches to tbbmalloc under tbbmalloc's locks. A fork in that
+// moment handed the child a held tbbmalloc lock, and its first parallel algorithm spun forever in
+// scalable_aligned_malloc (tests/soak/fork_soak_test, about 1 fork in 40,000). Holding a handle
+// keeps a reference that only our blocking finalize drops, so every worker is joined before the
+// fork. Measured with bench/onetbb_worker_linger (docs/reliability.md): a oneTBB thread was still
+// running 200 us after finalize returned in 18 of 6,000 forks when the handle was attached only
+// in prepare, in 0 of 6,000 with the handle held. Never throws (at-fork handlers must not).
+void HoldScheduler(TbbForkState& st) {
+  if (st.handle) return;
+  try {
+    st.handle = tbb::task_scheduler_handle(tbb::attach{});
+  } catch (...) {
+    // Out of memory: the next prepare tries again and waits for stray workers (below).
+  }
 }
 
 // Threads of this process: entries of /proc/self/task, read with getdents64 into a stack buffer
@@ -49,18 +75,12 @@ int ThreadCount() {
   return n;
 }
 
-// finalize() joins the workers that were running, but a worker that was still starting (or
-// leaving) when it was called exits on its own a moment later, and on its way out it returns its
-// caches to tbbmalloc under tbbmalloc's locks. A fork in that moment can hand the child a held
-// tbbmalloc lock: its first parallel algorithm spins forever in scalable_aligned_malloc (seen
-// with gdb in tests/soak/fork_soak_test). So when the number of threads changed across finalize
-// (oneTBB had workers), wait until it has been still for 0.3 ms, at most 20 ms. This makes the
-// hang rarer (runs of 1,000 forks that hung: 2 of 9 before, 3 of 131 with this wait) but does
-// not remove it: the cause is not fully understood (docs/reliability.md). The two counts cost a
-// fork about 10 us.
-void LetExitingWorkersFinish(int before) {
+// Only when prepare found no handle held (an earlier attempt of this fork was refused, which
+// releases the handle, or attaching failed): oneTBB may have shut workers down detached in the
+// meantime. Wait until the number of threads has been still for 0.3 ms, at most 20 ms.
+void LetDetachedWorkersFinish() {
   int last = ThreadCount();
-  if (before < 0 || last < 0 || last == before) return;
+  if (last < 0) return;
   const auto limit = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
   int still = 0;
   while (still < 3 && std::chrono::steady_clock::now() < limit) {
@@ -76,13 +96,21 @@ bool Prepare(const PrepareAttempt& attempt) {
   // A process whose oneTBB was left inconsistent by an earlier fork must not touch it again;
   // its children inherit the "unusable" flag.
   if (!st.usable.load()) return true;
-  if (!st.handle) st.handle = tbb::task_scheduler_handle(tbb::attach{});
-  const int threads_before = ThreadCount();
-  if (tbb::finalize(st.handle, std::nothrow)) {
+  st.mu.lock();  // unlocked in the parent and child handlers, or below when returning false
+  const bool was_held = static_cast<bool>(st.handle);
+  HoldScheduler(st);
+  const bool joined = tbb::finalize(st.handle, std::nothrow);  // releases the handle either way
+  // Hold the scheduler again at once: after a success, so that parent and child both start with
+  // it held (attaching here, before the kernel's fork, writes no page that the child shares; an
+  // attach after the fork would cost a copy-on-write fault or two in each process); after a
+  // refusal, so that the thread finalize waited for cannot drop the last reference meanwhile.
+  HoldScheduler(st);
+  if (joined) {
     st.finalized.fetch_add(1, std::memory_order_relaxed);
-    LetExitingWorkersFinish(threads_before);
+    if (!was_held) LetDetachedWorkersFinish();
     return true;
   }
+  st.mu.unlock();
   st.refused.fetch_add(1, std::memory_order_relaxed);
   if (!attempt.last) return false;
   st.gave_up.fetch_add(1, std::memory_order_relaxed);
@@ -98,20 +126,36 @@ bool Prepare(const PrepareAttempt& attempt) {
 void InstallTbbForkHandler() {
   static std::once_flag once;
   std::call_once(once, [] {
-    StateRef();
+    // Held from load time on, before any thread can run a oneTBB algorithm (see HoldScheduler).
+    HoldScheduler(StateRef());
     AtForkHandler h;
     h.name = "onetbb";
     h.prepare = Prepare;
-    // No re-attach after the fork: the handle is attached again at the next prepare. Attaching
-    // right after the fork would allocate, and every page written after a fork is a
-    // copy-on-write fault in the parent and in the child (see docs/performance.md).
+    // Prepare left the scheduler held, for both processes; only its lock is left to release.
+    // `prepared` is false when prepare gave up (it released the lock itself) and also in a
+    // process where oneTBB is unusable (prepare took nothing).
+    h.parent = [](bool prepared) {
+      TbbForkState& st = StateRef();
+      if (prepared && st.usable.load()) st.mu.unlock();
+    };
     h.child = [](bool prepared) {
+      TbbForkState& st = StateRef();
       // When prepare gave up, the scheduler's threads are gone; oneTBB's state cannot be trusted.
-      if (!prepared) StateRef().usable.store(false);
+      if (!prepared) {
+        st.usable.store(false);
+        return;
+      }
+      if (st.usable.load()) st.mu.unlock();  // this thread locked it in prepare
     };
     static int tag;
     AtForkRegistry::Get().Register(&tag, std::move(h));
   });
+}
+
+void ReleaseTbbScheduler() {
+  TbbForkState& st = StateRef();
+  std::lock_guard<std::mutex> lk(st.mu);
+  if (st.handle) st.handle.release();
 }
 
 bool TbbUsableInThisProcess() { return StateRef().usable.load(); }

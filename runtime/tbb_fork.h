@@ -4,15 +4,18 @@
 //   oneTBB registers no at-fork handlers of its own, and its worker threads do not exist in a
 //   forked child, so a child that calls tbb::parallel_for after a fork may hang. forksafe installs
 //   one at-fork handler that, after the runtime's own pools drained, joins oneTBB's workers with
-//   `tbb::finalize(handle, std::nothrow)` on a `task_scheduler_handle` attached for that purpose.
-//   oneTBB then starts fresh workers on next use, in both processes. (DESIGN.md suggested
-//   re-attaching in parent and child; forksafe attaches lazily at the next prepare instead, which
-//   keeps allocations out of the post-fork path, where each written page costs a copy-on-write
-//   fault.)
+//   `tbb::finalize(handle, std::nothrow)` on a `task_scheduler_handle` that it holds for that
+//   purpose. oneTBB then starts fresh workers on next use, in both processes.
 //
 // Guarantees
-//   - Installed once per process; every ThreadPool installs it before registering itself, so the
-//     pools are drained before oneTBB is finalized (prepare runs in reverse registration order).
+//   - Installed once per process, at load time; every ThreadPool also installs it before
+//     registering itself, so the pools are drained before oneTBB is finalized (prepare runs in
+//     reverse registration order).
+//   - The handle is held from load time on and attached again inside prepare right after
+//     finalize, before the kernel's fork, so parent and child both hold it and no page is written
+//     after the fork for it. Holding it means oneTBB's scheduler is only ever shut down by this
+//     handler's blocking finalize, which joins every worker: oneTBB never shuts its workers down
+//     detached (see "Hazard: detached workers" below).
 //   - If finalize fails (another thread is inside a parallel algorithm, or the fork comes from
 //     inside a oneTBB task), prepare says "not yet" and the registry retries with back-off. After
 //     the last attempt the fork proceeds, ForkEventKind::kSubsystemUnusable is reported, and
@@ -36,14 +39,22 @@
 //   forked right after starting such a thread hung 14 times in 40 runs; it now waits until the
 //   thread's first algorithm finished (tests/runtime/tbb_fork_test.cc).
 //
-// Hazard: a child hung in tbbmalloc (made rarer, not removed)
-//   Rarely, a child forked while oneTBB was busy spins forever in its first parallel algorithm,
-//   inside scalable_aligned_malloc (libtbbmalloc): a tbbmalloc lock was held at the fork. The
-//   likeliest holder is a oneTBB worker that finalize() did not wait for (one still starting or
-//   leaving, returning its caches to tbbmalloc). When the number of threads changed across
-//   finalize, prepare waits until it has been still for 0.3 ms (at most 20 ms): in runs of 1,000
-//   forks under busy pools (tests/soak/fork_soak_test) 2 of 9 hung before, 3 of 131 after. A fork
-//   with oneTBB idle pays two reads of /proc/self/task (about 10 us).
+// Hazard: detached workers (the cause of a child hung in tbbmalloc; fixed)
+//   oneTBB joins its workers only when a blocking finalize drops the last reference to its
+//   scheduler. When the last reference goes away with a thread that exits (a pool worker that ran
+//   an algorithm and that the pool's drain ends), oneTBB shuts its workers down detached: they
+//   exit by themselves a moment later, returning their caches to tbbmalloc under tbbmalloc's
+//   locks. Until 2026-11-22 the handle was attached only inside prepare, after the pools had
+//   drained, so that happened on most forks; a fork in that moment handed the child a held
+//   tbbmalloc lock (about 1 fork in 40,000 in tests/soak/fork_soak_test hung in
+//   scalable_aligned_malloc). Holding the handle removes the case.
+//
+// Hazard: your own tbb::finalize
+//   oneTBB's finalize succeeds only for the last lifetime handle. While forksafe holds its own,
+//   a program's tbb::finalize(handle) is refused (the throwing overload throws
+//   tbb::unsafe_wait), and while a program holds one, forksafe's prepare is refused and the child
+//   loses oneTBB. A program that wants to join oneTBB's workers itself (at exit, say) calls
+//   ReleaseTbbScheduler() first and finalizes right after, with no fork in between.
 #ifndef FORKSAFE_RUNTIME_TBB_FORK_H_
 #define FORKSAFE_RUNTIME_TBB_FORK_H_
 
@@ -53,6 +64,12 @@ namespace forksafe::runtime {
 
 /// Registers the oneTBB at-fork handler if it is not yet registered. Idempotent, thread-safe.
 void InstallTbbForkHandler();
+
+/// Drops forksafe's hold on oneTBB's scheduler, so that the program's own
+/// tbb::finalize(handle) can join oneTBB's workers. The next fork holds it again (and then waits
+/// up to 20 ms for workers oneTBB may have shut down detached meanwhile). Thread-safe; must not
+/// be called from an at-fork handler (prepare holds the lock it takes).
+void ReleaseTbbScheduler();
 
 /// False in a child forked while oneTBB's workers could not be joined.
 bool TbbUsableInThisProcess();

@@ -2,6 +2,7 @@
 // fork from inside a oneTBB task reported instead of hanging.
 #include "runtime/tbb_fork.h"
 
+#include <dirent.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -9,8 +10,10 @@
 #include <thread>
 
 #include "gtest/gtest.h"
+#include "oneapi/tbb/global_control.h"
 #include "oneapi/tbb/parallel_for.h"
 #include "runtime/at_fork.h"
+#include "runtime/thread_pool.h"
 #include "tests/support/child_process.h"
 #include "tests/support/workloads.h"
 
@@ -31,6 +34,102 @@ TEST(TbbForkTest, ChildCanUseOneTbbAfterParentDid) {
   EXPECT_TRUE(child.ok()) << child.Describe();
   EXPECT_EQ(GetTbbForkStats().finalized, finalized + 1);
   EXPECT_EQ(TbbSum(1000), 499500L) << "oneTBB must work again in the parent";
+}
+
+// Threads of this process (entries of /proc/self/task).
+int ThreadCount() {
+  DIR* d = opendir("/proc/self/task");
+  if (d == nullptr) return -1;
+  int n = 0;
+  while (const dirent* e = readdir(d)) n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+// Polls until the thread count equals `want` (an exiting thread stays listed for a moment after
+// it was joined); returns the last count seen.
+int WaitForThreadCount(int want, std::chrono::milliseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  int n = ThreadCount();
+  while (n != want && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+    n = ThreadCount();
+  }
+  return n;
+}
+
+// The thread count once it has not changed for 10 ms (at most 1 s).
+int SettledThreadCount() {
+  int last = ThreadCount(), still = 0;
+  for (int i = 0; i < 500 && still < 5; ++i) {
+    std::this_thread::sleep_for(2ms);
+    const int now = ThreadCount();
+    still = now == last ? still + 1 : 0;
+    last = now;
+  }
+  return last;
+}
+
+// Regression test for a child that hung in tbbmalloc (1 fork in about 40,000 in the fork soak).
+// The thread that ran a oneTBB algorithm here is a pool worker, and it exits before the fork (the
+// pool is destroyed, as a pool's drain ends its workers). If that dropped the last reference to
+// oneTBB's scheduler, oneTBB would shut its workers down detached: they would exit by
+// themselves at some later moment, possibly during a fork, holding tbbmalloc's locks. forksafe
+// holds the scheduler between forks, so the workers stay until the next fork's prepare joins
+// them. Before the fix the workers were gone at the first check below.
+TEST(TbbForkTest, OneTbbWorkersLiveUntilAForkJoinsThem) {
+  // At least three workers, whatever the number of cores.
+  tbb::global_control parallelism(tbb::global_control::max_allowed_parallelism, 4);
+  // Start from a quiesced scheduler: a fork joins oneTBB's workers.
+  auto first = RunInChild([] { return 0; }, 30s, 30);
+  ASSERT_TRUE(first.ok()) << first.Describe();
+  const int baseline = SettledThreadCount();
+  ASSERT_GT(baseline, 0) << "cannot read /proc/self/task";
+
+  {
+    ThreadPool pool(ThreadPoolOptions{1, "tbb_user", 5000ms});
+    ASSERT_EQ(pool.Submit([] { return TbbSum(4000000); }).get(), 7999998000000L);
+  }  // the worker that ran the algorithm has exited and been joined
+  std::this_thread::sleep_for(50ms);  // time for detached workers to leave, were there any
+  const int between = ThreadCount();
+  EXPECT_GT(between, baseline)
+      << "oneTBB's workers were shut down when the last thread that used oneTBB exited; they "
+         "exit detached, racing the next fork";
+
+  auto child = RunInChild([] {
+    if (!TbbUsableInThisProcess()) return 1;
+    return TbbSum(100000) == 4999950000L ? 0 : 2;
+  }, 30s, 30);
+  EXPECT_TRUE(child.ok()) << child.Describe();
+  EXPECT_EQ(WaitForThreadCount(baseline, 1000ms), baseline)
+      << "the fork's prepare must have joined every oneTBB worker (" << between
+      << " threads before the fork, " << baseline << " at the start)";
+  EXPECT_EQ(TbbSum(1000), 499500L) << "oneTBB must work again in the parent";
+}
+
+// forksafe's held handle and a program's own tbb::finalize: refused while forksafe holds the
+// scheduler, allowed after ReleaseTbbScheduler(), and forks work again afterwards.
+TEST(TbbForkTest, ProgramFinalizesOneTbbItselfAfterReleaseTbbScheduler) {
+  ASSERT_EQ(TbbSum(100000), 4999950000L);
+  {
+    tbb::task_scheduler_handle mine{tbb::attach{}};
+    EXPECT_FALSE(tbb::finalize(mine, std::nothrow))
+        << "forksafe holds a handle: a program's finalize cannot be the last one";
+  }
+  ASSERT_EQ(TbbSum(100000), 4999950000L);
+  tbb::task_scheduler_handle mine{tbb::attach{}};
+  ReleaseTbbScheduler();
+  EXPECT_TRUE(tbb::finalize(mine, std::nothrow)) << "after ReleaseTbbScheduler it must be";
+  ReleaseTbbScheduler();  // idempotent
+
+  const uint64_t finalized = GetTbbForkStats().finalized;
+  auto child = RunInChild([] {
+    if (!TbbUsableInThisProcess()) return 1;
+    return TbbSum(100000) == 4999950000L ? 0 : 2;
+  }, 30s, 30);
+  EXPECT_TRUE(child.ok()) << child.Describe();
+  EXPECT_EQ(GetTbbForkStats().finalized, finalized + 1) << "the next fork holds it again";
+  EXPECT_EQ(TbbSum(1000), 499500L);
 }
 
 // A raw std::thread (not a pool worker) that keeps using oneTBB holds oneTBB's scheduler, so
