@@ -75,9 +75,8 @@ int ThreadCount() {
   return n;
 }
 
-// Only when prepare found no handle held (an earlier attempt of this fork was refused, which
-// releases the handle, or attaching failed): oneTBB may have shut workers down detached in the
-// meantime. Wait until the number of threads has been still for 0.3 ms, at most 20 ms.
+// Only when prepare found no handle held (the program called ReleaseTbbScheduler, or attaching
+// failed): oneTBB may have shut workers down detached in the meantime. Wait until the number of threads has been still for 0.3 ms, at most 20 ms.
 void LetDetachedWorkersFinish() {
   int last = ThreadCount();
   if (last < 0) return;

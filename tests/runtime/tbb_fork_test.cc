@@ -24,13 +24,16 @@ using forksafe::testing::RunInChild;
 using forksafe::testing::TbbSum;
 using namespace std::chrono_literals;
 
+// A child's body: 0 when oneTBB is usable here and a reduction gives the right sum.
+int ChildRunsOneTbb() {
+  if (!TbbUsableInThisProcess()) return 1;
+  return TbbSum(100000) == 4999950000L ? 0 : 2;
+}
+
 TEST(TbbForkTest, ChildCanUseOneTbbAfterParentDid) {
   ASSERT_EQ(TbbSum(100000), 4999950000L);
   const uint64_t finalized = GetTbbForkStats().finalized;
-  auto child = RunInChild([] {
-    if (!TbbUsableInThisProcess()) return 1;
-    return TbbSum(100000) == 4999950000L ? 0 : 2;
-  }, 30s, 30);
+  auto child = RunInChild(ChildRunsOneTbb, 30s, 30);
   EXPECT_TRUE(child.ok()) << child.Describe();
   EXPECT_EQ(GetTbbForkStats().finalized, finalized + 1);
   EXPECT_EQ(TbbSum(1000), 499500L) << "oneTBB must work again in the parent";
@@ -96,10 +99,7 @@ TEST(TbbForkTest, OneTbbWorkersLiveUntilAForkJoinsThem) {
       << "oneTBB's workers were shut down when the last thread that used oneTBB exited; they "
          "exit detached, racing the next fork";
 
-  auto child = RunInChild([] {
-    if (!TbbUsableInThisProcess()) return 1;
-    return TbbSum(100000) == 4999950000L ? 0 : 2;
-  }, 30s, 30);
+  auto child = RunInChild(ChildRunsOneTbb, 30s, 30);
   EXPECT_TRUE(child.ok()) << child.Describe();
   EXPECT_EQ(WaitForThreadCount(baseline, 1000ms), baseline)
       << "the fork's prepare must have joined every oneTBB worker (" << between
@@ -123,10 +123,7 @@ TEST(TbbForkTest, ProgramFinalizesOneTbbItselfAfterReleaseTbbScheduler) {
   ReleaseTbbScheduler();  // idempotent
 
   const uint64_t finalized = GetTbbForkStats().finalized;
-  auto child = RunInChild([] {
-    if (!TbbUsableInThisProcess()) return 1;
-    return TbbSum(100000) == 4999950000L ? 0 : 2;
-  }, 30s, 30);
+  auto child = RunInChild(ChildRunsOneTbb, 30s, 30);
   EXPECT_TRUE(child.ok()) << child.Describe();
   EXPECT_EQ(GetTbbForkStats().finalized, finalized + 1) << "the next fork holds it again";
   EXPECT_EQ(TbbSum(1000), 499500L);
