@@ -1,13 +1,19 @@
 // Benchmarks of the CUDA backend's IPC (device/cuda_backend.h, device/ipc.h):
-//   - BM_ImportMapRelease/<bytes>: ImportMemory + ReleaseImported of a segment another process
-//     exported (cuMemImportFromShareableHandle, reserve, map, set access; then unmap and release:
-//     each iteration maps anew, since the last release unmaps).
+//   - BM_ImportMapRelease/<bytes>: ImportMemory + ReleaseImported + EmptyCache of a segment
+//     another process exported (cuMemImportFromShareableHandle, reserve, map, set access; then
+//     synchronize, unmap and release: each iteration maps anew).
+//   - BM_ImportIdleSegment/<bytes>: ImportMemory + ReleaseImported of the same segment with the
+//     released import kept mapped (idle) between iterations, the backend's default.
+//   - BM_ExportMemory/<bytes>: ExportMemory of an own block (the segment's descriptor is kept
+//     after the first export; each call returns a duplicate), next to
+//     BM_DriverExportToShareableHandle/<bytes>: the driver's export of the same allocation.
 //   - BM_RecordIpcEvent: RecordIpcEvent on an idle stream (pooled event, cuEventRecord).
 //   - BM_WaitIpcEventAndSync: WaitIpcEvent on an event another process recorded (opened once per
 //     slot, then cached) followed by Synchronize.
 // The exporter is a child forked before this process initializes CUDA; it exports its segments
 // and events over a unix socket and waits until the benchmarks are done.
 // On a machine without a GPU it prints why it skipped and exits 0.
+#include <dlfcn.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -80,10 +86,75 @@ void BM_ImportMapRelease(benchmark::State& state) {
     void* p = b.ImportMemory(h);
     benchmark::DoNotOptimize(p);
     b.ReleaseImported(0, p);
+    b.EmptyCache(0);  // unmaps the idle import: the next iteration maps anew
   }
   state.SetLabel(std::to_string(h.segment_size >> 20) + " MiB segment");
 }
 BENCHMARK(BM_ImportMapRelease)->DenseRange(0, 2)->Unit(benchmark::kMicrosecond);
+
+// The same with the idle import kept: the segment stays mapped between iterations, as when a
+// training loop sends the same buffers again.
+void BM_ImportIdleSegment(benchmark::State& state) {
+  CudaBackend& b = Cuda();
+  const IpcMemoryHandle& h = g_exported.segments[static_cast<size_t>(state.range(0))];
+  for (auto _ : state) {
+    void* p = b.ImportMemory(h);
+    benchmark::DoNotOptimize(p);
+    b.ReleaseImported(0, p);
+  }
+  b.EmptyCache(0);
+  state.SetLabel(std::to_string(h.segment_size >> 20) + " MiB segment");
+}
+BENCHMARK(BM_ImportIdleSegment)->DenseRange(0, 2)->Unit(benchmark::kMicrosecond);
+
+// ExportMemory of a block of this process (+ close of the descriptor it returns). The first
+// export of a segment asks the driver; later ones duplicate the descriptor kept then.
+void BM_ExportMemory(benchmark::State& state) {
+  CudaBackend& b = Cuda();
+  const size_t n = kSizes[static_cast<size_t>(state.range(0))];
+  void* p = b.Allocate(0, n);
+  for (auto _ : state) {
+    IpcMemoryHandle h = b.ExportMemory(0, p, n);
+    close(h.fd);
+  }
+  b.Free(0, p);
+  state.SetLabel(std::to_string(n >> 20) + " MiB block");
+}
+BENCHMARK(BM_ExportMemory)->DenseRange(0, 2)->Unit(benchmark::kMicrosecond);
+
+// What each export would cost without that cache: the driver's own export of the same
+// allocation (cuMemRetainAllocationHandle + cuMemExportToShareableHandle + close + cuMemRelease).
+void BM_DriverExportToShareableHandle(benchmark::State& state) {
+  CudaBackend& b = Cuda();
+  const size_t n = kSizes[static_cast<size_t>(state.range(0))];
+  void* p = b.Allocate(0, n);
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  using Retain = int (*)(unsigned long long*, void*);
+  using Export = int (*)(void*, unsigned long long, int, unsigned long long);
+  using Release = int (*)(unsigned long long);
+  auto retain = lib ? reinterpret_cast<Retain>(dlsym(lib, "cuMemRetainAllocationHandle")) : nullptr;
+  auto export_fd = lib ? reinterpret_cast<Export>(dlsym(lib, "cuMemExportToShareableHandle")) : nullptr;
+  auto release = lib ? reinterpret_cast<Release>(dlsym(lib, "cuMemRelease")) : nullptr;
+  if (!retain || !export_fd || !release) {
+    state.SkipWithError("libcuda.so.1 lacks cuMemRetainAllocationHandle/cuMemExportToShareableHandle");
+    b.Free(0, p);
+    return;
+  }
+  constexpr int kPosixFd = 1;  // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+  for (auto _ : state) {
+    unsigned long long h = 0;
+    int fd = -1;
+    if (retain(&h, p) != 0 || export_fd(&fd, h, kPosixFd, 0) != 0) {
+      state.SkipWithError("the driver's export failed");
+      break;
+    }
+    close(fd);
+    release(h);
+  }
+  b.Free(0, p);
+  state.SetLabel(std::to_string(n >> 20) + " MiB block");
+}
+BENCHMARK(BM_DriverExportToShareableHandle)->DenseRange(0, 2)->Unit(benchmark::kMicrosecond);
 
 void BM_RecordIpcEvent(benchmark::State& state) {
   CudaBackend& b = Cuda();

@@ -44,26 +44,8 @@ const char* const kKeptOwner = "device/cuda (driver descriptors)";
 // True unless `pid` is known to have exited (a zombie still counts: its parent has not reaped it).
 bool ProcessAlive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH); }
 
-// Descriptor numbers open now, with their targets.
-std::map<int, std::string> OpenFds() {
-  std::map<int, std::string> out;
-  DIR* dir = opendir("/proc/self/fd");
-  if (dir == nullptr) return out;
-  const int self = dirfd(dir);
-  while (dirent* e = readdir(dir)) {
-    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
-    const int fd = atoi(e->d_name);
-    if (fd == self) continue;
-    char target[256] = {0};
-    const std::string path = absl::StrCat("/proc/self/fd/", fd);
-    const ssize_t n = readlink(path.c_str(), target, sizeof target - 1);
-    out[fd] = n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string();
-  }
-  closedir(dir);
-  return out;
-}
+using internal::OpenDescriptors;
 
-// Names the NVIDIA driver gives its descriptors and shared memory.
 // Whether `fd` is an exporter's exit page (see CudaContext) saying that it exited normally with
 // all its work done. Anything else (no page, another file, a crash) says no.
 bool ExitedAfterFinishingItsWork(int fd) {
@@ -78,6 +60,7 @@ bool ExitedAfterFinishingItsWork(int fd) {
   return pread(fd, &word, sizeof word, 0) == static_cast<ssize_t>(sizeof word) && word == 1;
 }
 
+// Names the NVIDIA driver gives its descriptors and shared memory.
 bool LooksLikeDriver(const std::string& path) {
   return path.rfind("/dev/nvidia", 0) == 0 || path.find("cuda") != std::string::npos ||
          path.find("nvidia") != std::string::npos;
@@ -112,6 +95,10 @@ namespace {
 constexpr size_t kRound = 512;                 // every block is a multiple of this
 constexpr size_t kSmallMax = size_t{1} << 20;  // requests up to 1 MiB share segments...
 constexpr size_t kSmallSegment = size_t{2} << 20;  // ...of 2 MiB (at least the granularity)
+// Imports no tensor uses any more stay mapped (idle) for the next message that names the same
+// segment, up to this many segments and bytes per device, least recently used out first.
+constexpr size_t kIdleImportsMax = 32;
+constexpr size_t kIdleImportBytesMax = size_t{1} << 30;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -157,6 +144,10 @@ struct Segment {
   uint64_t id = 0;
   bool small = false;
   int own_imports = 0;  // ImportMemory of this segment by this very process
+  // The shareable descriptor of the first ExportMemory, kept until the segment is destroyed:
+  // later exports send a duplicate (cuMemExportToShareableHandle took about 1 ms on an H100
+  // under driver 580, a dup takes about a microsecond). -1 until exported.
+  int export_fd = -1;
   Block* first = nullptr;
 };
 
@@ -175,6 +166,10 @@ struct Imported {  // a segment of another process, mapped here
   CUmemGenericAllocationHandle handle = 0;
   uint64_t id = 0;
   int refs = 0;
+  // A duplicate of the descriptor it was imported from, kept so that it can be passed on: the
+  // driver refuses cuMemExportToShareableHandle of an imported handle (CUDA_ERROR_INVALID_VALUE,
+  // seen on driver 580), and the exporter may have exited. -1 if the dup failed (no descriptors).
+  int fd = -1;
 };
 
 struct LegacyImport {  // a cuIpcOpenMemHandle mapping
@@ -217,6 +212,8 @@ struct DeviceState {
 
   std::map<CUdeviceptr, Imported*> imports;  // by base
   std::unordered_map<uint64_t, Imported*> imports_by_id;
+  std::vector<Imported*> idle_imports;  // refs == 0, still mapped; oldest first
+  size_t idle_import_bytes = 0;
   std::map<CUdeviceptr, LegacyImport*> legacy;  // by base
   std::map<std::string, LegacyImport*> legacy_by_key;
   std::unordered_map<uint64_t, std::pair<CUdeviceptr, size_t>> own_legacy;  // id -> range
@@ -288,7 +285,7 @@ std::string P(const void* p) { return absl::StrCat("0x", absl::Hex(reinterpret_c
 void EnsureDeviceLocked(CudaContext& c, DeviceState& st) {
   if (st.ready) return;
   const CudaDriver* d = c.d;
-  const auto before = OpenFds();
+  const auto before = OpenDescriptors();
   FS_CU(d->cuDeviceGet(&st.dev, st.index), absl::StrCat("cuDeviceGet(", st.index, ")"));
   FS_CU(d->cuDevicePrimaryCtxRetain(&st.ctx, st.dev),
         absl::StrCat("cuDevicePrimaryCtxRetain(cuda:", st.index, ")"));
@@ -316,7 +313,7 @@ void EnsureDeviceLocked(CudaContext& c, DeviceState& st) {
   FS_CU(d->cuStreamCreate(&st.stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
   st.pool_id = internal::RandomId();
   st.ready = true;
-  const auto after = OpenFds();
+  const auto after = OpenDescriptors();
   std::lock_guard<std::mutex> lk(c.fds_mu);
   for (const auto& [fd, target] : after) {
     if (before.count(fd) == 0) c.driver_fds.insert(fd);
@@ -382,6 +379,7 @@ void DestroySegment(const CudaDriver* d, DeviceState& st, Segment* seg) {
   d->cuMemUnmap(seg->base, seg->size);
   d->cuMemAddressFree(seg->base, seg->size);
   d->cuMemRelease(seg->handle);
+  if (seg->export_fd >= 0) close(seg->export_fd);
   st.reserved_bytes -= seg->size;
   st.segments.erase(seg->base);
   st.segments_by_id.erase(seg->id);
@@ -401,6 +399,41 @@ void ReleaseFreeSegments(const CudaDriver* d, DeviceState& st) {
     }
   }
   for (Segment* seg : victims) DestroySegment(d, st, seg);
+}
+
+// Unmaps and releases an import (refs == 0, no longer idle). The caller holds st.mu and has
+// synchronized the stream (work queued on the memory has finished).
+void DestroyImport(const CudaDriver* d, DeviceState& st, internal::Imported* imp) {
+  d->cuMemUnmap(imp->base, imp->size);
+  d->cuMemAddressFree(imp->base, imp->size);
+  d->cuMemRelease(imp->handle);
+  if (imp->fd >= 0) close(imp->fd);
+  st.imports.erase(imp->base);
+  st.imports_by_id.erase(imp->id);
+  delete imp;
+}
+
+// Takes `imp` off the idle list (it is used again, or about to be destroyed). Caller holds st.mu.
+void TakeOffIdle(DeviceState& st, internal::Imported* imp) {
+  auto it = std::find(st.idle_imports.begin(), st.idle_imports.end(), imp);
+  if (it == st.idle_imports.end()) return;
+  st.idle_imports.erase(it);
+  st.idle_import_bytes -= imp->size;
+}
+
+// Idle imports over the bounds (all of them when `all`), taken off the idle list, oldest first.
+// Caller holds st.mu; it synchronizes the stream and then destroys them.
+std::vector<internal::Imported*> TakeIdleVictims(DeviceState& st, bool all) {
+  std::vector<internal::Imported*> out;
+  while (!st.idle_imports.empty() &&
+         (all || st.idle_imports.size() > internal::kIdleImportsMax ||
+          st.idle_import_bytes > internal::kIdleImportBytesMax)) {
+    internal::Imported* imp = st.idle_imports.front();
+    st.idle_imports.erase(st.idle_imports.begin());
+    st.idle_import_bytes -= imp->size;
+    out.push_back(imp);
+  }
+  return out;
 }
 
 // Reserves `size` bytes of address space, maps `h` there and gives this device read-write access;
@@ -552,15 +585,31 @@ CudaBackend::CudaBackend() {
   runtime::internal::RegisterKeptResources(
       kKeptOwner,
       [this](runtime::internal::KeptResources& out) {
+        const std::map<int, std::string> now = OpenDescriptors();
+        // NVML's, from the device query (made without initializing CUDA).
+        for (const auto& [fd, target] : internal::NvmlKeptDescriptors()) {
+          auto it = now.find(fd);
+          if (it != now.end() && it->second == target) out.AddFd(fd, "device/cuda: NVML");
+        }
         if (!initialized() || ctx_ == nullptr) return;
         std::set<int> mine;
         {
           std::lock_guard<std::mutex> lk(ctx_->fds_mu);
           mine = ctx_->driver_fds;
         }
-        for (const auto& [fd, target] : OpenFds()) {
+        for (const auto& [fd, target] : now) {
           if (mine.count(fd) != 0 || LooksLikeDriver(target)) {
             out.AddFd(fd, "device/cuda: the CUDA driver");
+          }
+        }
+        // The shareable descriptors of exported segments and of imports (for passing them on).
+        for (const auto& st : ctx_->devices) {
+          std::lock_guard<std::mutex> lk(st->mu);
+          for (const auto& [base, seg] : st->segments) {
+            out.AddFd(seg->export_fd, "device/cuda: an exported segment");
+          }
+          for (const auto& [base, imp] : st->imports) {
+            out.AddFd(imp->fd, "device/cuda: an imported segment");
           }
         }
         // Shared mappings the driver makes for itself (e.g. /dev/shm/cuda.shm.* of IPC events).
@@ -615,7 +664,9 @@ CudaBackend::CacheStats CudaBackend::Stats(int index) const {
   s.reserved_bytes = st.reserved_bytes;
   s.allocated_bytes = st.allocated_bytes;
   s.held_blocks = st.held.size();
-  s.imported_segments = st.imports.size();
+  s.imported_segments = st.imports.size() - st.idle_imports.size();
+  s.idle_imports = st.idle_imports.size();
+  s.ipc_waits = st.waits.size();
   return s;
 }
 
@@ -624,7 +675,7 @@ void CudaBackend::DoInitialize() {
   if (DeviceCount() == 0) throw Error(ErrorCode::kUnavailable, UnavailableReason());
   auto c = std::make_unique<CudaContext>();
   std::string why;
-  const auto before = OpenFds();
+  const auto before = OpenDescriptors();
   c->d = internal::LoadCudaDriver(&why);
   if (c->d == nullptr) {
     throw Error(ErrorCode::kUnavailable, absl::StrCat("no CUDA devices: ", why));
@@ -632,7 +683,7 @@ void CudaBackend::DoInitialize() {
   int n = 0;
   const CUresult r = c->d->cuDeviceGetCount(&n);
   if (r != CUDA_SUCCESS) ThrowCu(*c->d, r, "cuDeviceGetCount");
-  for (const auto& [fd, target] : OpenFds()) {
+  for (const auto& [fd, target] : OpenDescriptors()) {
     if (before.count(fd) == 0) c->driver_fds.insert(fd);
   }
   for (int i = 0; i < n; ++i) {
@@ -895,7 +946,8 @@ IpcMemoryHandle CudaBackend::ExportMemory(int index, const void* ptr, size_t byt
   CUmemGenericAllocationHandle alloc = 0;
   {
     std::lock_guard<std::mutex> lk(st.mu);
-    if (Segment* seg = OwnSegmentOf(st, p, bytes)) {
+    Segment* seg = OwnSegmentOf(st, p, bytes);
+    if (seg != nullptr) {
       auto it = st.allocated.upper_bound(p);
       const Block* b = it == st.allocated.begin() ? nullptr : std::prev(it)->second;
       const bool inside_block = b != nullptr && p >= b->addr() && p + bytes <= b->addr() + b->size;
@@ -907,12 +959,33 @@ IpcMemoryHandle CudaBackend::ExportMemory(int index, const void* ptr, size_t byt
       h.segment_id = seg->id;
       h.segment_size = seg->size;
       h.offset = p - seg->base;
+      if (seg->export_fd >= 0) {
+        h.fd = fcntl(seg->export_fd, F_DUPFD_CLOEXEC, 0);
+        if (h.fd < 0) {
+          throw Error(ErrorCode::kResourceExhausted,
+                      absl::StrCat("ExportMemory on cuda:", index, ": dup of the segment's "
+                                   "descriptor failed (", strerror(errno),
+                                   "); close unused descriptors or raise the limit (ulimit -n)"));
+        }
+        return h;
+      }
       alloc = seg->handle;
     } else if (internal::Imported* imp = RangeOf(st.imports, p, bytes)) {
+      // Passing on memory another process exported: send a copy of the descriptor it came with.
       h.segment_id = imp->id;
       h.segment_size = imp->size;
       h.offset = p - imp->base;
-      alloc = imp->handle;
+      h.fd = imp->fd < 0 ? -1 : fcntl(imp->fd, F_DUPFD_CLOEXEC, 0);
+      if (h.fd < 0) {
+        throw Error(ErrorCode::kResourceExhausted,
+                    absl::StrCat("ExportMemory on cuda:", index, ": [", P(ptr), ", +", bytes,
+                                 ") is memory imported from another process, and passing it on "
+                                 "needs a copy of its descriptor, which ",
+                                 imp->fd < 0 ? "could not be kept when it was imported"
+                                             : absl::StrCat("could not be made (", strerror(errno), ")"),
+                                 "; raise the descriptor limit (ulimit -n)"));
+      }
+      return h;
     } else {
       throw Error(ErrorCode::kInvalidArgument,
                   absl::StrCat("ExportMemory on cuda:", index, ": [", P(ptr), ", +", bytes,
@@ -932,7 +1005,15 @@ IpcMemoryHandle CudaBackend::ExportMemory(int index, const void* ptr, size_t byt
       ThrowCu(*d, r, "ExportMemory: cuMemExportToShareableHandle");
     }
     fcntl(fd, F_SETFD, FD_CLOEXEC);
-    h.fd = fd;
+    h.fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (h.fd < 0) {
+      close(fd);
+      throw Error(ErrorCode::kResourceExhausted,
+                  absl::StrCat("ExportMemory on cuda:", index, ": dup of the new descriptor "
+                               "failed (", strerror(errno),
+                               "); close unused descriptors or raise the limit (ulimit -n)"));
+    }
+    seg->export_fd = fd;
   }
   return h;
 }
@@ -1058,8 +1139,12 @@ void* CudaBackend::ImportMemory(const IpcMemoryHandle& handle) {
     return HostPtr(seg->base + handle.offset);
   }
   if (auto it = st.imports_by_id.find(handle.segment_id); it != st.imports_by_id.end()) {
-    ++it->second->refs;
-    return HostPtr(it->second->base + handle.offset);
+    internal::Imported* imp = it->second;
+    if (imp->size != handle.segment_size) {
+      throw Error(ErrorCode::kInvalidArgument, "ImportMemory: segment size does not match");
+    }
+    if (imp->refs++ == 0) TakeOffIdle(st, imp);  // mapped still: no driver call
+    return HostPtr(imp->base + handle.offset);
   }
   if (handle.fd < 0) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -1102,6 +1187,7 @@ void* CudaBackend::ImportMemory(const IpcMemoryHandle& handle) {
   imp->handle = alloc;
   imp->id = handle.segment_id;
   imp->refs = 1;
+  imp->fd = fcntl(handle.fd, F_DUPFD_CLOEXEC, 0);  // for ExportMemory; -1 only if out of fds
   st.imports[va] = imp;
   st.imports_by_id[imp->id] = imp;
   return HostPtr(va + handle.offset);
@@ -1112,7 +1198,8 @@ void CudaBackend::ReleaseImported(int index, void* ptr) {
   const CudaDriver* d = ctx_->d;
   DeviceState& st = Dev(*ctx_, index);
   const CUdeviceptr p = DevPtr(ptr);
-  bool needs_unmap = false;
+  bool needs_unmap = false;  // the last reference to a legacy import goes
+  std::vector<internal::Imported*> victims;  // idle imports over the bounds
   {
     std::lock_guard<std::mutex> lk(st.mu);
     internal::Imported* imp = RangeOf(st.imports, p, 1);
@@ -1136,24 +1223,34 @@ void CudaBackend::ReleaseImported(int index, void* ptr) {
       }
       return;
     }
-    needs_unmap = (imp ? imp->refs : leg->refs) == 1;
-    if (!needs_unmap) {
-      --(imp ? imp->refs : leg->refs);
-      return;
+    if (imp != nullptr) {
+      if (imp->refs == 0) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    absl::StrCat("ReleaseImported on cuda:", index, ": ", P(ptr),
+                                 " was released as often as it was imported"));
+      }
+      if (--imp->refs > 0) return;
+      // The last use here: keep it mapped for the next message naming this segment.
+      st.idle_imports.push_back(imp);
+      st.idle_import_bytes += imp->size;
+      victims = TakeIdleVictims(st, false);
+      if (victims.empty()) return;
+    } else {
+      needs_unmap = leg->refs == 1;
+      if (!needs_unmap) {
+        --leg->refs;
+        return;
+      }
     }
   }
-  // The last import goes: work queued on it must finish before it is unmapped.
+  // Work queued on memory about to be unmapped must finish first.
   SyncStream(*ctx_, st, "ReleaseImported");
   std::lock_guard<std::mutex> lk(st.mu);
-  if (internal::Imported* imp = RangeOf(st.imports, p, 1)) {
-    if (--imp->refs > 0) return;  // imported again meanwhile
-    d->cuMemUnmap(imp->base, imp->size);
-    d->cuMemAddressFree(imp->base, imp->size);
-    d->cuMemRelease(imp->handle);
-    st.imports.erase(imp->base);
-    st.imports_by_id.erase(imp->id);
-    delete imp;
-  } else if (internal::LegacyImport* leg = RangeOf(st.legacy, p, 1)) {
+  for (internal::Imported* imp : victims) {
+    if (imp->refs == 0) DestroyImport(d, st, imp);  // else imported again meanwhile: in use
+  }
+  if (!needs_unmap) return;
+  if (internal::LegacyImport* leg = RangeOf(st.legacy, p, 1)) {
     if (--leg->refs > 0) return;
     d->cuIpcCloseMemHandle(leg->base);
     st.legacy_by_key.erase(leg->key);
@@ -1249,7 +1346,10 @@ IpcEventHandle CudaBackend::RecordIpcEvent(int index) {
     stream = st.stream;
     // Everything queued so far has finished (the usual case after a synchronous copy): nothing
     // to wait for, and no event a receiver would have to open while this process still lives.
-    if (st.waits.empty() && st.failure.empty() && d->cuStreamQuery(stream) == CUDA_SUCCESS) {
+    // That includes the IPC waits queued on the stream: they are done, so they are forgotten
+    // (kept, they would make every later send record an event, and the list would only grow).
+    if (st.failure.empty() && d->cuStreamQuery(stream) == CUDA_SUCCESS) {
+      st.waits.clear();
       h.complete = true;
       return h;
     }
@@ -1342,6 +1442,8 @@ void CudaBackend::WaitIpcEvent(int index, const IpcEventHandle& event) {
       st.opened[key] = internal::OpenedEvent{ev, event.exporter};
     }
   }
+  // Waits queued earlier that the stream has passed are done: forget them (bounded list).
+  if (!st.waits.empty() && d->cuStreamQuery(st.stream) == CUDA_SUCCESS) st.waits.clear();
   const CUresult r = d->cuStreamWaitEvent(st.stream, ev, 0);
   if (r != CUDA_SUCCESS) ThrowCu(*d, r, absl::StrCat("WaitIpcEvent on cuda:", index));
   if (event.exporter != getpid()) {
@@ -1364,6 +1466,7 @@ void CudaBackend::EmptyCache(int index) {
   SyncStream(*ctx_, st, "EmptyCache");
   std::lock_guard<std::mutex> lk(st.mu);
   ReleaseFreeSegments(ctx_->d, st);
+  for (internal::Imported* imp : TakeIdleVictims(st, true)) DestroyImport(ctx_->d, st, imp);
 }
 
 #else  // !FORKSAFE_HAVE_CUDA_HEADERS: a backend without devices.

@@ -68,9 +68,19 @@ class CudaBackend final : public Backend, public IpcBackend {
   /// Why there are no devices ("libcuda.so.1 not found (...)"), or "" when there are.
   std::string UnavailableReason() const override;
 
-  // IpcBackend (device/ipc.h). The fd of an ExportMemory handle comes from
-  // cuMemExportToShareableHandle (close-on-exec set); ImportMemory only borrows handle.fd (the
-  // imported allocation handle keeps the memory alive, so the descriptor is not kept).
+  // IpcBackend (device/ipc.h).
+  // - ExportMemory returns a new descriptor (close-on-exec) each call: the first export of a
+  //   segment asks the driver (cuMemExportToShareableHandle) and keeps that descriptor until the
+  //   segment is released, later exports duplicate it. Memory imported from another process is
+  //   passed on the same way, with the descriptor its import kept (the driver cannot export an
+  //   imported handle).
+  // - ImportMemory borrows handle.fd; it maps a segment once per process and counts imports.
+  // - ReleaseImported of the last import keeps the segment mapped, idle, for the next message
+  //   that names it (a training loop passes the same buffers again: no import, map or unmap).
+  //   At most 32 segments and 1 GiB per device stay idle, least recently used out first;
+  //   EmptyCache (and runtime::ReleaseCachedResources) unmaps them all. Hazard: an idle
+  //   import keeps its memory alive on the device after its exporter freed or exited, until
+  //   then.
   IpcMemoryHandle ExportMemory(int index, const void* ptr, size_t bytes) override;
   IpcMemoryHandle ExportLegacyMemory(int index, const void* ptr, size_t bytes) override;
   void* ImportMemory(const IpcMemoryHandle& handle) override;
@@ -99,7 +109,9 @@ class CudaBackend final : public Backend, public IpcBackend {
     size_t reserved_bytes = 0;   ///< Bytes of those segments.
     size_t allocated_bytes = 0;  ///< Bytes in blocks handed out by Allocate (rounded).
     size_t held_blocks = 0;      ///< Freed blocks kept out of reuse by HoldAfterFree.
-    size_t imported_segments = 0;  ///< Segments of other processes mapped here.
+    size_t imported_segments = 0;  ///< Segments of other processes mapped here and in use.
+    size_t idle_imports = 0;  ///< Imported segments no tensor uses, kept mapped (see above).
+    size_t ipc_waits = 0;  ///< WaitIpcEvent waits queued that the stream was not seen past yet.
   };
   /// Statistics of device `index`. Never initializes.
   CacheStats Stats(int index) const;

@@ -1,5 +1,6 @@
 #include "device/internal/cuda_driver.h"
 
+#include <dirent.h>
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -20,6 +21,24 @@
 
 namespace forksafe::device::internal {
 namespace {
+
+// What NVML left open (NvmlKeptDescriptors): published once, read without a lock (a fork while
+// a query runs must not leave a lock held in the child); a racing second query merges its own.
+std::atomic<const std::map<int, std::string>*> g_nvml_kept{nullptr};
+
+#if defined(FORKSAFE_HAVE_CUDA_HEADERS)
+void PublishNvmlKept(const std::map<int, std::string>& found) {
+  if (found.empty()) return;
+  const std::map<int, std::string>* seen = g_nvml_kept.load(std::memory_order_acquire);
+  for (;;) {
+    auto* merged = new std::map<int, std::string>(found);
+    if (seen != nullptr) merged->insert(seen->begin(), seen->end());
+    // On success the replaced map stays allocated on purpose: a reader may be copying it.
+    if (g_nvml_kept.compare_exchange_weak(seen, merged, std::memory_order_acq_rel)) return;
+    delete merged;  // lost the race: `seen` now holds the newer map; merge again
+  }
+}
+#endif
 
 #if defined(FORKSAFE_HAVE_CUDA_HEADERS)
 
@@ -102,6 +121,7 @@ bool QueryNvml(const VisibleDevices& visible, CudaDeviceSummary* out, std::strin
     *why = "libnvidia-ml.so.1 lacks nvmlInit_v2/nvmlDeviceGetCount_v2";
     return false;
   }
+  const std::map<int, std::string> fds_before = OpenDescriptors();
   if (init() != kNvmlSuccess) {
     *why = "nvmlInit_v2 failed";
     return false;
@@ -127,7 +147,15 @@ bool QueryNvml(const VisibleDevices& visible, CudaDeviceSummary* out, std::strin
     }
     all.push_back(std::move(e));
   }
-  shutdown();  // closes NVML's descriptors: nothing of it outlives the query
+  shutdown();
+  // nvmlShutdown does not close everything nvmlInit opened (driver 580 keeps two eventfds and
+  // two pipes): what is still open now belongs to the library for the life of the process.
+  std::map<int, std::string> kept;
+  for (const auto& [fd, target] : OpenDescriptors()) {
+    auto b = fds_before.find(fd);
+    if (b == fds_before.end() || b->second != target) kept.emplace(fd, target);
+  }
+  PublishNvmlKept(kept);
   if (!ok) {
     *why = "nvmlDeviceGetCount_v2/nvmlDeviceGetHandleByIndex_v2 failed";
     return false;
@@ -307,6 +335,29 @@ CudaDeviceSummary* Compute() {
 }
 
 }  // namespace
+
+std::map<int, std::string> OpenDescriptors() {
+  std::map<int, std::string> out;
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return out;
+  const int self = dirfd(dir);
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    const int fd = atoi(e->d_name);
+    if (fd == self) continue;
+    char target[256] = {0};
+    const std::string path = absl::StrCat("/proc/self/fd/", fd);
+    const ssize_t n = readlink(path.c_str(), target, sizeof target - 1);
+    out[fd] = n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string();
+  }
+  closedir(dir);
+  return out;
+}
+
+std::map<int, std::string> NvmlKeptDescriptors() {
+  const std::map<int, std::string>* kept = g_nvml_kept.load(std::memory_order_acquire);
+  return kept == nullptr ? std::map<int, std::string>() : *kept;
+}
 
 const CudaDeviceSummary& QueryCudaDevices() {
   // No lock: a fork while another thread computes must not leave one held in the child.

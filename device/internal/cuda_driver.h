@@ -27,6 +27,7 @@
 #define FORKSAFE_DEVICE_INTERNAL_CUDA_DRIVER_H_
 
 #include <cstddef>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,15 @@ struct CudaDeviceSummary {
 
 /// The cached answer (computed on the first call). Never throws, never calls cuInit here.
 const CudaDeviceSummary& QueryCudaDevices();
+
+/// Descriptor numbers open in this process now, with their targets (readlink of /proc/self/fd).
+std::map<int, std::string> OpenDescriptors();
+
+/// Descriptors that NVML opened during QueryCudaDevices and kept after nvmlShutdown, with their
+/// targets as they were then (seen on driver 580: two eventfds and two pipes). They belong to
+/// the driver library and stay for the life of the process; the CUDA backend reports them as
+/// kept (runtime/internal/kept_resources.h). Empty when NVML was not used. Never blocks.
+std::map<int, std::string> NvmlKeptDescriptors();
 
 #if defined(FORKSAFE_HAVE_CUDA_HEADERS)
 

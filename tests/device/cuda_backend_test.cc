@@ -12,15 +12,18 @@
 // process itself may have initialized CUDA in an earlier test. Every child is bounded.
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "device/backend.h"
@@ -286,6 +289,11 @@ int ImportCheckAndReply(const IpcMemoryHandle& h, unsigned want, unsigned reply)
   b.Copy(p, kCuda0, out.data(), kCPU, h.size);
   b.ReleaseImported(0, p);
   if (b.Stats(0).imported_segments != 0u) return 13;
+  if (h.kind == IpcKind::kSegment) {  // stays mapped, idle, until EmptyCache
+    if (b.Stats(0).idle_imports != 1u) return 14;
+    b.EmptyCache(0);
+    if (b.Stats(0).idle_imports != 0u) return 15;
+  }
   return 0;
 }
 
@@ -302,6 +310,36 @@ TEST(CudaHelper, Run) {
     IpcMemoryHandle h = FromHex<IpcMemoryHandle>(args);
     h.fd = kPassedFd;
     EXPECT_EQ(ImportCheckAndReply(h, 1, 2), 0);
+    close(kPassedFd);
+  } else if (role == "export_and_exit") {
+    // args: how many (default 1). Sends handles to blocks of 3 MiB (a segment each) holding
+    // pattern 1 + i over kPassedFd, then drops its memory and exits.
+    const int count = args.empty() ? 1 : std::stoi(args);
+    const size_t n = 3 << 20;
+    std::vector<void*> blocks;  // all kept until every handle is sent: no block is reused
+    for (int i = 0; i < count; ++i) {
+      void* p = b.Allocate(0, n);
+      blocks.push_back(p);
+      const auto in = Pattern(n, 1 + static_cast<unsigned>(i));
+      b.Copy(p, kCuda0, in.data(), kCPU, n);
+      IpcMemoryHandle h = b.ExportMemory(0, p, n);
+      EXPECT_TRUE(forksafe::testing::SendWithFd(kPassedFd, h.fd, &h, sizeof h));
+      close(h.fd);
+    }
+    for (void* p : blocks) b.Free(0, p);
+    close(kPassedFd);
+  } else if (role == "record_busy_event") {
+    // Sends an event recorded behind queued work over kPassedFd, then waits for a byte.
+    alarm(60);
+    const size_t n = size_t{64} << 20;
+    void* p = b.Allocate(0, n);
+    for (int i = 0; i < 50; ++i) b.Memset(0, p, i, n);
+    const IpcEventHandle ev = b.RecordIpcEvent(0);
+    EXPECT_TRUE(WriteAll(kPassedFd, &ev, sizeof ev));
+    char go = 0;
+    EXPECT_TRUE(ReadAll(kPassedFd, &go, 1));
+    b.Synchronize(0);
+    b.Free(0, p);
     close(kPassedFd);
   } else if (role == "import_legacy") {
     IpcMemoryHandle h = FromHex<IpcMemoryHandle>(args);
@@ -554,6 +592,103 @@ TEST(CudaGpuTest, ExportImportInASpawnedProcess) {
   b.Free(0, p);
 }
 
+// Handles of `count` segments from an "export_and_exit" helper, each with its descriptor.
+std::vector<IpcMemoryHandle> ReceiveFromExporter(int count) {
+  std::vector<IpcMemoryHandle> out;
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    ADD_FAILURE() << "socketpair: " << strerror(errno);
+    return out;
+  }
+  auto exporter = SpawnHelper("export_and_exit", std::to_string(count), sv[1]);
+  close(sv[1]);
+  EXPECT_TRUE(exporter.ok()) << exporter.Describe();
+  for (int i = 0; i < count; ++i) {
+    IpcMemoryHandle h;
+    const int fd = forksafe::testing::ReceiveWithFd(sv[0], &h, sizeof h);
+    if (fd < 0) {
+      ADD_FAILURE() << "the exporter sent " << i << " of " << count << " handles";
+      break;
+    }
+    h.fd = fd;
+    out.push_back(h);
+  }
+  close(sv[0]);
+  return out;
+}
+
+// A -> B -> C: B passes on memory it imported from A, after A exited and after B let go of its
+// own mapping. The driver refuses to export an imported handle (CUDA_ERROR_INVALID_VALUE), so B
+// sends the copy of A's descriptor that its import kept.
+TEST(CudaGpuTest, AnImportedSegmentIsPassedOnAfterItsExporterExited) {
+  SKIP_WITHOUT_GPU();
+  CudaBackend& b = Cuda();
+  std::vector<IpcMemoryHandle> hs = ReceiveFromExporter(1);
+  ASSERT_EQ(hs.size(), 1u) << "the exporter sends its handle before it exits";
+  IpcMemoryHandle h = hs[0];
+  void* p = b.ImportMemory(h);
+  close(h.fd);
+  EXPECT_EQ(ReadBack(p, h.size), Pattern(h.size, 1)) << "valid after its exporter exited";
+  const IpcMemoryHandle again = b.ExportMemory(0, p, h.size);
+  EXPECT_GE(again.fd, 0);
+  EXPECT_EQ(again.segment_id, h.segment_id);
+  EXPECT_EQ(again.size, h.size);
+  b.ReleaseImported(0, p);
+  b.EmptyCache(0);  // unmapped here: only the descriptor in `again` keeps the memory now
+  EXPECT_EQ(b.Stats(0).imported_segments, 0u);
+  EXPECT_EQ(b.Stats(0).idle_imports, 0u);
+  auto importer = SpawnHelper("import", ToHex(again), again.fd);
+  EXPECT_TRUE(importer.ok()) << importer.Describe();
+  close(again.fd);
+}
+
+// A released import stays mapped for the next message naming its segment, within bounds
+// (32 segments per device), oldest out first; EmptyCache unmaps the idle ones.
+TEST(CudaGpuTest, IdleImportsStayMappedWithinBounds) {
+  SKIP_WITHOUT_GPU();
+  CudaBackend& b = Cuda();
+  b.EmptyCache(0);
+  constexpr int kCount = 40;
+  std::vector<IpcMemoryHandle> hs = ReceiveFromExporter(kCount);
+  ASSERT_EQ(hs.size(), static_cast<size_t>(kCount));
+  void* p = b.ImportMemory(hs[0]);
+  EXPECT_EQ(ReadBack(p, 4096), Pattern(4096, 1)) << "valid after its exporter exited";
+  b.ReleaseImported(0, p);
+  EXPECT_EQ(b.Stats(0).imported_segments, 0u);
+  EXPECT_EQ(b.Stats(0).idle_imports, 1u);
+  IpcMemoryHandle no_fd = hs[0];
+  no_fd.fd = -1;  // an idle segment needs no descriptor to be used again: nothing is imported
+  EXPECT_EQ(b.ImportMemory(no_fd), p) << "the idle mapping is used again";
+  EXPECT_EQ(b.Stats(0).idle_imports, 0u);
+  b.ReleaseImported(0, p);
+  ExpectError([&] { b.ReleaseImported(0, p); }, ErrorCode::kInvalidArgument,
+              "released as often as it was imported");
+  std::vector<void*> ps;
+  for (const auto& h : hs) ps.push_back(b.ImportMemory(h));
+  EXPECT_EQ(b.Stats(0).imported_segments, static_cast<size_t>(kCount));
+  EXPECT_EQ(b.Stats(0).idle_imports, 0u);
+  for (int i = 0; i < kCount; ++i) {
+    EXPECT_EQ(ReadBack(ps[static_cast<size_t>(i)], 4096), Pattern(4096, 1 + static_cast<unsigned>(i)))
+        << "segment " << i;
+    b.ReleaseImported(0, ps[static_cast<size_t>(i)]);
+  }
+  EXPECT_EQ(b.Stats(0).imported_segments, 0u);
+  EXPECT_EQ(b.Stats(0).idle_imports, 32u) << "the bound";
+  // Segments 0..7 went (the oldest): importing 0 maps it anew; 39 is idle and used again.
+  void* first = b.ImportMemory(hs[0]);
+  EXPECT_EQ(b.Stats(0).idle_imports, 32u);
+  void* last = b.ImportMemory(hs[kCount - 1]);
+  EXPECT_EQ(last, ps[kCount - 1]);
+  EXPECT_EQ(b.Stats(0).idle_imports, 31u);
+  EXPECT_EQ(ReadBack(first, 4096), Pattern(4096, 1));
+  b.ReleaseImported(0, first);
+  b.ReleaseImported(0, last);
+  EXPECT_EQ(b.Stats(0).idle_imports, 32u);
+  b.EmptyCache(0);
+  EXPECT_EQ(b.Stats(0).idle_imports, 0u);
+  for (auto& h : hs) close(h.fd);
+}
+
 TEST(CudaGpuTest, ExportImportInAChildForkedBeforeInit) {
   SKIP_WITHOUT_GPU();
   auto r = SpawnHelper("fork_before_init", "");
@@ -602,6 +737,44 @@ TEST(CudaGpuTest, LegacyHandles) {
   b.Free(0, own);
   EXPECT_EQ(mem_free(dptr), 0);
 #endif
+}
+
+// A wait on another process's event is forgotten once the stream has passed it: the next
+// RecordIpcEvent finds nothing pending (so sends carry no event) and the list does not grow.
+// (It once grew by one per message, and every send on both sides then recorded an event.)
+TEST(CudaGpuTest, WaitsTheStreamHasPassedAreForgotten) {
+  SKIP_WITHOUT_GPU();
+  CudaBackend& b = Cuda();
+  b.Synchronize(0);
+  EXPECT_EQ(b.Stats(0).ipc_waits, 0u);
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+  forksafe::testing::ChildResult helper;
+  std::thread spawner([&] { helper = SpawnHelper("record_busy_event", "", sv[1]); });
+  IpcEventHandle ev;
+  pollfd pfd{sv[0], POLLIN, 0};
+  const bool got = poll(&pfd, 1, 60000) == 1 && ReadAll(sv[0], &ev, sizeof ev);
+  if (got) {
+    ev.fd = -1;  // the helper's descriptor number means nothing here
+    EXPECT_FALSE(ev.complete) << "the helper's stream was busy: it recorded a real event";
+    b.WaitIpcEvent(0, ev);  // opened while the helper lives
+  }
+  char go = 1;
+  (void)send(sv[0], &go, 1, MSG_NOSIGNAL);  // the helper may be gone already
+  spawner.join();
+  close(sv[0]);
+  close(sv[1]);
+  ASSERT_TRUE(got) << "the helper sent no event within 60 s";
+  EXPECT_TRUE(helper.ok()) << helper.Describe();
+  EXPECT_EQ(b.Stats(0).ipc_waits, 1u);
+  bool complete = false;
+  for (int i = 0; i < 300 && !complete; ++i) {  // the helper's work takes milliseconds
+    complete = b.RecordIpcEvent(0).complete;
+    if (!complete) std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(complete) << "the stream went idle, yet every RecordIpcEvent recorded an event";
+  EXPECT_EQ(b.Stats(0).ipc_waits, 0u);
+  b.Synchronize(0);
 }
 
 TEST(CudaGpuTest, IpcEventsOrderAnotherProcessAfterOurWork) {

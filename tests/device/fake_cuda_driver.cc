@@ -6,9 +6,11 @@
 //   names; there is no cuGetProcAddress, so the backend's dlsym fallback is what runs), with host
 //   memory standing in for device memory: cuMemCreate makes a memfd, cuMemAddressReserve an
 //   inaccessible reservation, cuMemMap maps the memfd there, export/import pass the memfd, and
-//   legacy IPC handles name /proc/<pid>/fd/<n> of a memfd. Copies and memsets run at once;
-//   streams and events are no-ops (work is always complete). FAKE_CUDA_DEVICES sets the count
-//   (default 1).
+//   legacy IPC handles name /proc/<pid>/fd/<n> of a memfd. Copies and memsets write at once,
+//   but a memset keeps its stream busy for 2 ms as queued work would: cuStreamQuery says
+//   CUDA_ERROR_NOT_READY until then, cuStreamSynchronize sleeps until then, an event recorded
+//   on it completes then. An event opened from another process's handle is complete (its
+//   recording is not visible here). FAKE_CUDA_DEVICES sets the count (default 1).
 //
 // Hazard: it proves the backend's bookkeeping (allocator, IPC tables, the fork rules), not its
 // use of a real driver: ordering, contexts and driver errors only a GPU can check.
@@ -22,13 +24,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <mutex>
+#include <thread>
 typedef int CUresult;
 typedef unsigned long long DP;
 struct Alloc {
   int fd;
   size_t size;
+  bool imported = false;  // made by cuMemImportFromShareableHandle
 };
 static std::mutex mu;
 static size_t g_used = 0;
@@ -85,17 +92,32 @@ CUresult cuDevicePrimaryCtxRetain(void** c, int d) {
 CUresult cuCtxSetCurrent(void*) {
   return 0;
 }
+// Streams and events hold when their work is done (steady-clock nanoseconds; 0: nothing queued).
+struct Timeline {
+  std::atomic<int64_t> done_at{0};
+};
+constexpr int64_t kMemsetNanos = 2000000;  // how long a memset keeps its stream busy
+constexpr CUresult kNotReady = 600;        // CUDA_ERROR_NOT_READY
+int64_t NowNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 CUresult cuStreamCreate(void** s, unsigned) {
-  *s = malloc(1);
+  *s = new Timeline();
   return 0;
 }
-CUresult cuStreamSynchronize(void*) {
+CUresult cuStreamSynchronize(void* s) {
+  const int64_t left = static_cast<Timeline*>(s)->done_at.load() - NowNanos();
+  if (left > 0) std::this_thread::sleep_for(std::chrono::nanoseconds(left));
   return 0;
 }
-CUresult cuStreamQuery(void*) {
-  return 0;
+CUresult cuStreamQuery(void* s) {
+  return static_cast<Timeline*>(s)->done_at.load() > NowNanos() ? kNotReady : 0;
 }
-CUresult cuStreamWaitEvent(void*, void*, unsigned) {
+CUresult cuStreamWaitEvent(void* s, void* e, unsigned) {
+  auto* t = static_cast<Timeline*>(s);
+  t->done_at.store(std::max(t->done_at.load(), static_cast<Timeline*>(e)->done_at.load()));
   return 0;
 }
 CUresult cuMemGetAllocationGranularity(size_t* g, const void*, int) {
@@ -144,6 +166,8 @@ CUresult cuMemSetAccess(DP, size_t, const void*, size_t) {
   return 0;
 }
 CUresult cuMemExportToShareableHandle(void* out, unsigned long long h, int, unsigned long long) {
+  // As the real driver (580): an imported handle cannot be exported again.
+  if (reinterpret_cast<Alloc*>(h)->imported) return 1;  // CUDA_ERROR_INVALID_VALUE
   *static_cast<int*>(out) = dup(reinterpret_cast<Alloc*>(h)->fd);
   return 0;
 }
@@ -154,7 +178,7 @@ CUresult cuMemImportFromShareableHandle(unsigned long long* h, void* os, int) {
   int d = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   std::lock_guard<std::mutex> lk(mu);
   g_used += st.st_size;
-  *h = reinterpret_cast<uintptr_t>(new Alloc{d, static_cast<size_t>(st.st_size)});
+  *h = reinterpret_cast<uintptr_t>(new Alloc{d, static_cast<size_t>(st.st_size), true});
   return 0;
 }
 CUresult cuMemcpyHtoDAsync_v2(DP d, const void* s, size_t n, void*) {
@@ -173,8 +197,12 @@ CUresult cuMemcpyPeerAsync(DP d, void*, DP s, void*, size_t n, void*) {
   memmove(reinterpret_cast<void*>(d), reinterpret_cast<void*>(s), n);
   return 0;
 }
-CUresult cuMemsetD8Async(DP d, unsigned char v, size_t n, void*) {
+CUresult cuMemsetD8Async(DP d, unsigned char v, size_t n, void* s) {
   memset(reinterpret_cast<void*>(d), v, n);
+  if (s != nullptr) {
+    auto* t = static_cast<Timeline*>(s);
+    t->done_at.store(std::max(t->done_at.load(), NowNanos()) + kMemsetNanos);
+  }
   return 0;
 }
 CUresult cuMemGetInfo_v2(size_t* f, size_t* t) {
@@ -253,17 +281,18 @@ CUresult cuIpcCloseMemHandle(DP p) {
   return 0;
 }
 CUresult cuEventCreate(void** e, unsigned) {
-  *e = malloc(1);
+  *e = new Timeline();
   return 0;
 }
-CUresult cuEventRecord(void*, void*) {
+CUresult cuEventRecord(void* e, void* s) {
+  static_cast<Timeline*>(e)->done_at.store(s ? static_cast<Timeline*>(s)->done_at.load() : 0);
   return 0;
 }
-CUresult cuEventQuery(void*) {
-  return 0;
+CUresult cuEventQuery(void* e) {
+  return static_cast<Timeline*>(e)->done_at.load() > NowNanos() ? kNotReady : 0;
 }
 CUresult cuEventDestroy_v2(void* e) {
-  free(e);
+  delete static_cast<Timeline*>(e);
   return 0;
 }
 // An event handle names its process: like a real driver's, it cannot be opened once that process
@@ -278,7 +307,7 @@ CUresult cuIpcOpenEventHandle(void** e, H64 h) {
   int pid = 0;
   memcpy(&pid, &h, sizeof pid);
   if (kill(pid, 0) != 0 && errno == ESRCH) return 400;
-  *e = malloc(1);
+  *e = new Timeline();
   return 0;
 }
 }
