@@ -29,8 +29,11 @@
 //     another process still reads it: HoldAfterFree(ptr, released) keeps the block out of reuse
 //     after Free until released() returns true (mp/ passes "no other process holds a reference").
 //   - ImportMemory maps a segment once per process however often it arrives; each successful
-//     ImportMemory is balanced by one ReleaseImported, and the segment is unmapped (its device
-//     memory returned, if no one else holds it) when the last import goes.
+//     ImportMemory is balanced by one ReleaseImported. When the last import goes, the segment is
+//     unmapped (its device memory returned, if no one else holds it), or, where the backend says
+//     so (CUDA), kept mapped idle for the next message naming it until EmptyCache.
+//   - Memory imported here can be exported again (passed on to a third process), also after its
+//     first exporter exited.
 //
 // Fork behaviour
 //   Every method initializes the backend like any operation, so in a forked child of a process
@@ -120,7 +123,8 @@ class IpcBackend {
   virtual void* ImportMemory(const IpcMemoryHandle& handle) = 0;
 
   /// Balances one ImportMemory that returned `ptr`. Unmaps the segment when no import of it is
-  /// left. Throws kInvalidArgument for a pointer that is not an import.
+  /// left (a backend may keep it mapped, idle, until EmptyCache). Throws kInvalidArgument for a
+  /// pointer that is not an import, or one released as often as it was imported.
   virtual void ReleaseImported(int index, void* ptr) = 0;
 
   /// After Free(ptr), keeps the block that starts at `ptr` out of reuse until `released()`
@@ -140,7 +144,7 @@ class IpcBackend {
   virtual IpcMemoryInfo MemoryInfo(int index) = 0;
 
   /// Returns the cached, unused segments of device `index` to the device (held blocks whose
-  /// released() now returns true count as unused).
+  /// released() now returns true count as unused), and unmaps idle imports.
   virtual void EmptyCache(int index) = 0;
 
   /// Events the pool of device `index` may hold at most (recycled beyond that).
