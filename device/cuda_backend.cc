@@ -99,6 +99,9 @@ constexpr size_t kSmallSegment = size_t{2} << 20;  // ...of 2 MiB (at least the 
 // segment, up to this many segments and bytes per device, least recently used out first.
 constexpr size_t kIdleImportsMax = 32;
 constexpr size_t kIdleImportBytesMax = size_t{1} << 30;
+// Exported segments that keep their shareable descriptor, per device; beyond that the least
+// recently exported one closes it (and asks the driver again at its next export).
+constexpr size_t kKeptExportFdsMax = 256;
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -144,10 +147,12 @@ struct Segment {
   uint64_t id = 0;
   bool small = false;
   int own_imports = 0;  // ImportMemory of this segment by this very process
-  // The shareable descriptor of the first ExportMemory, kept until the segment is destroyed:
-  // later exports send a duplicate (cuMemExportToShareableHandle took about 1 ms on an H100
-  // under driver 580, a dup takes about a microsecond). -1 until exported.
+  // The shareable descriptor of the first ExportMemory, kept until the segment is destroyed
+  // (or until kKeptExportFdsMax others were exported more recently): later exports send a
+  // duplicate (cuMemExportToShareableHandle took 28-46 us on an H100 under driver 580, a dup
+  // under 1 us). -1 until exported.
   int export_fd = -1;
+  uint64_t export_tick = 0;  // when it was last exported (DeviceState::export_clock)
   Block* first = nullptr;
 };
 
@@ -214,6 +219,8 @@ struct DeviceState {
   std::unordered_map<uint64_t, Imported*> imports_by_id;
   std::vector<Imported*> idle_imports;  // refs == 0, still mapped; oldest first
   size_t idle_import_bytes = 0;
+  size_t kept_export_fds = 0;  // own segments with export_fd >= 0
+  uint64_t export_clock = 0;
   std::map<CUdeviceptr, LegacyImport*> legacy;  // by base
   std::map<std::string, LegacyImport*> legacy_by_key;
   std::unordered_map<uint64_t, std::pair<CUdeviceptr, size_t>> own_legacy;  // id -> range
@@ -379,7 +386,10 @@ void DestroySegment(const CudaDriver* d, DeviceState& st, Segment* seg) {
   d->cuMemUnmap(seg->base, seg->size);
   d->cuMemAddressFree(seg->base, seg->size);
   d->cuMemRelease(seg->handle);
-  if (seg->export_fd >= 0) close(seg->export_fd);
+  if (seg->export_fd >= 0) {
+    close(seg->export_fd);
+    --st.kept_export_fds;
+  }
   st.reserved_bytes -= seg->size;
   st.segments.erase(seg->base);
   st.segments_by_id.erase(seg->id);
@@ -409,7 +419,9 @@ void DestroyImport(const CudaDriver* d, DeviceState& st, internal::Imported* imp
   d->cuMemRelease(imp->handle);
   if (imp->fd >= 0) close(imp->fd);
   st.imports.erase(imp->base);
-  st.imports_by_id.erase(imp->id);
+  if (auto it = st.imports_by_id.find(imp->id); it != st.imports_by_id.end() && it->second == imp) {
+    st.imports_by_id.erase(it);
+  }
   delete imp;
 }
 
@@ -421,8 +433,10 @@ void TakeOffIdle(DeviceState& st, internal::Imported* imp) {
   st.idle_import_bytes -= imp->size;
 }
 
-// Idle imports over the bounds (all of them when `all`), taken off the idle list, oldest first.
-// Caller holds st.mu; it synchronizes the stream and then destroys them.
+// Idle imports over the bounds (all of them when `all`), oldest first, taken off the idle list
+// and out of imports_by_id, so that no ImportMemory can use one again while the caller, having
+// unlocked st.mu, synchronizes the stream before destroying them (a message naming the segment
+// meanwhile maps it anew). Caller holds st.mu.
 std::vector<internal::Imported*> TakeIdleVictims(DeviceState& st, bool all) {
   std::vector<internal::Imported*> out;
   while (!st.idle_imports.empty() &&
@@ -431,9 +445,23 @@ std::vector<internal::Imported*> TakeIdleVictims(DeviceState& st, bool all) {
     internal::Imported* imp = st.idle_imports.front();
     st.idle_imports.erase(st.idle_imports.begin());
     st.idle_import_bytes -= imp->size;
+    if (auto it = st.imports_by_id.find(imp->id);
+        it != st.imports_by_id.end() && it->second == imp) {
+      st.imports_by_id.erase(it);
+    }
     out.push_back(imp);
   }
   return out;
+}
+
+// Puts victims of TakeIdleVictims back (the synchronize before their destruction failed): idle
+// again, usable again unless the segment was mapped anew meanwhile. Caller holds st.mu.
+void ReturnIdleVictims(DeviceState& st, const std::vector<internal::Imported*>& victims) {
+  for (internal::Imported* imp : victims) {
+    st.imports_by_id.emplace(imp->id, imp);  // no-op if mapped anew meanwhile
+    st.idle_imports.push_back(imp);
+    st.idle_import_bytes += imp->size;
+  }
 }
 
 // Reserves `size` bytes of address space, maps `h` there and gives this device read-write access;
@@ -532,6 +560,8 @@ void* AllocateLocked(const CudaDriver* d, DeviceState& st, size_t bytes) {
       // Give the cache back and try once more (work on freed blocks must finish first).
       d->cuStreamSynchronize(st.stream);
       ReleaseFreeSegments(d, st);
+      // Idle imports too: they may hold memory whose exporters freed it.
+      for (internal::Imported* imp : TakeIdleVictims(st, true)) DestroyImport(d, st, imp);
       seg = CreateSegment(d, st, seg_size, small, &failure);
     }
     if (seg == nullptr) {
@@ -667,6 +697,7 @@ CudaBackend::CacheStats CudaBackend::Stats(int index) const {
   s.imported_segments = st.imports.size() - st.idle_imports.size();
   s.idle_imports = st.idle_imports.size();
   s.ipc_waits = st.waits.size();
+  s.export_fds = st.kept_export_fds;
   return s;
 }
 
@@ -763,6 +794,13 @@ void SyncStream(CudaContext& c, DeviceState& st, const char* what) {
       if (d->cuEventQuery(w.event) == CUDA_SUCCESS) continue;
       {
         std::lock_guard<std::mutex> lk(st.mu);
+        // Forgotten meanwhile on this same stream (another thread saw the stream idle, so it
+        // passed this wait; the event may even be destroyed by now): not a failure.
+        if (st.stream == stream &&
+            std::none_of(st.waits.begin(), st.waits.end(),
+                         [&](const internal::PendingWait& x) { return x.ticket == w.ticket; })) {
+          continue;
+        }
         if (st.stream == stream) {
           // The old stream is abandoned (destroying it could block); later work uses a new one.
           CUstream fresh = nullptr;
@@ -960,6 +998,7 @@ IpcMemoryHandle CudaBackend::ExportMemory(int index, const void* ptr, size_t byt
       h.segment_size = seg->size;
       h.offset = p - seg->base;
       if (seg->export_fd >= 0) {
+        seg->export_tick = ++st.export_clock;
         h.fd = fcntl(seg->export_fd, F_DUPFD_CLOEXEC, 0);
         if (h.fd < 0) {
           throw Error(ErrorCode::kResourceExhausted,
@@ -1013,7 +1052,22 @@ IpcMemoryHandle CudaBackend::ExportMemory(int index, const void* ptr, size_t byt
                                "failed (", strerror(errno),
                                "); close unused descriptors or raise the limit (ulimit -n)"));
     }
+    if (st.kept_export_fds >= internal::kKeptExportFdsMax) {
+      Segment* oldest = nullptr;
+      for (const auto& [base, other] : st.segments) {
+        if (other->export_fd >= 0 && (oldest == nullptr || other->export_tick < oldest->export_tick)) {
+          oldest = other;
+        }
+      }
+      if (oldest != nullptr) {
+        close(oldest->export_fd);
+        oldest->export_fd = -1;
+        --st.kept_export_fds;
+      }
+    }
     seg->export_fd = fd;
+    seg->export_tick = ++st.export_clock;
+    ++st.kept_export_fds;
   }
   return h;
 }
@@ -1244,11 +1298,15 @@ void CudaBackend::ReleaseImported(int index, void* ptr) {
     }
   }
   // Work queued on memory about to be unmapped must finish first.
-  SyncStream(*ctx_, st, "ReleaseImported");
-  std::lock_guard<std::mutex> lk(st.mu);
-  for (internal::Imported* imp : victims) {
-    if (imp->refs == 0) DestroyImport(d, st, imp);  // else imported again meanwhile: in use
+  try {
+    SyncStream(*ctx_, st, "ReleaseImported");
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(st.mu);
+    ReturnIdleVictims(st, victims);
+    throw;
   }
+  std::lock_guard<std::mutex> lk(st.mu);
+  for (internal::Imported* imp : victims) DestroyImport(d, st, imp);  // nobody can reach them
   if (!needs_unmap) return;
   if (internal::LegacyImport* leg = RangeOf(st.legacy, p, 1)) {
     if (--leg->refs > 0) return;
@@ -1463,10 +1521,22 @@ IpcMemoryInfo CudaBackend::MemoryInfo(int index) {
 void CudaBackend::EmptyCache(int index) {
   Enter(index, "EmptyCache");
   DeviceState& st = Dev(*ctx_, index);
-  SyncStream(*ctx_, st, "EmptyCache");
+  std::vector<internal::Imported*> victims;
+  {
+    std::lock_guard<std::mutex> lk(st.mu);
+    victims = TakeIdleVictims(st, true);
+  }
+  // Work queued on freed blocks and idle imports must finish before they are unmapped.
+  try {
+    SyncStream(*ctx_, st, "EmptyCache");
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(st.mu);
+    ReturnIdleVictims(st, victims);
+    throw;
+  }
   std::lock_guard<std::mutex> lk(st.mu);
   ReleaseFreeSegments(ctx_->d, st);
-  for (internal::Imported* imp : TakeIdleVictims(st, true)) DestroyImport(ctx_->d, st, imp);
+  for (internal::Imported* imp : victims) DestroyImport(ctx_->d, st, imp);
 }
 
 #else  // !FORKSAFE_HAVE_CUDA_HEADERS: a backend without devices.

@@ -333,8 +333,11 @@ TEST(CudaHelper, Run) {
     alarm(60);
     const size_t n = size_t{64} << 20;
     void* p = b.Allocate(0, n);
-    for (int i = 0; i < 50; ++i) b.Memset(0, p, i, n);
-    const IpcEventHandle ev = b.RecordIpcEvent(0);
+    IpcEventHandle ev;
+    for (int tries = 0; tries < 20 && ev.complete; ++tries) {  // until the work is still queued
+      for (int i = 0; i < 50; ++i) b.Memset(0, p, i, n);
+      ev = b.RecordIpcEvent(0);
+    }
     EXPECT_TRUE(WriteAll(kPassedFd, &ev, sizeof ev));
     char go = 0;
     EXPECT_TRUE(ReadAll(kPassedFd, &go, 1));
@@ -615,6 +618,35 @@ std::vector<IpcMemoryHandle> ReceiveFromExporter(int count) {
   }
   close(sv[0]);
   return out;
+}
+
+// The first export of a segment keeps its descriptor for the next ones, for at most 256
+// segments per device; the least recently exported gives its up first and asks the driver again.
+TEST(CudaGpuTest, ExportDescriptorsAreKeptWithinBounds) {
+  SKIP_WITHOUT_GPU();
+  CudaBackend& b = Cuda();
+  b.EmptyCache(0);
+  const size_t before = b.Stats(0).export_fds;  // segments earlier tests still hold
+  constexpr int kBlocks = 260;  // a segment each (over 1 MiB)
+  const size_t n = 3 << 20;
+  std::vector<void*> blocks;
+  for (int i = 0; i < kBlocks; ++i) {
+    blocks.push_back(b.Allocate(0, n));
+    IpcMemoryHandle h = b.ExportMemory(0, blocks.back(), n);
+    EXPECT_GE(h.fd, 0);
+    close(h.fd);
+  }
+  EXPECT_EQ(b.Stats(0).export_fds, 256u) << "the bound";
+  IpcMemoryHandle again = b.ExportMemory(0, blocks[0], n);  // gave its descriptor up: anew
+  EXPECT_GE(again.fd, 0);
+  EXPECT_EQ(b.Stats(0).export_fds, 256u);
+  close(again.fd);
+  IpcMemoryHandle last = b.ExportMemory(0, blocks.back(), n);  // kept: a duplicate
+  EXPECT_GE(last.fd, 0);
+  close(last.fd);
+  for (void* p : blocks) b.Free(0, p);
+  b.EmptyCache(0);
+  EXPECT_LE(b.Stats(0).export_fds, before) << "released segments close theirs";
 }
 
 // A -> B -> C: B passes on memory it imported from A, after A exited and after B let go of its
