@@ -79,32 +79,27 @@ Exported g_exported;
   _exit(0);
 }
 
-void BM_ImportMapRelease(benchmark::State& state) {
+// ImportMemory + ReleaseImported of segment state.range(0); with `map_anew`, EmptyCache after
+// each release unmaps the idle import so that every iteration maps the segment again.
+void ImportAndRelease(benchmark::State& state, bool map_anew) {
   CudaBackend& b = Cuda();
   const IpcMemoryHandle& h = g_exported.segments[static_cast<size_t>(state.range(0))];
   for (auto _ : state) {
     void* p = b.ImportMemory(h);
     benchmark::DoNotOptimize(p);
     b.ReleaseImported(0, p);
-    b.EmptyCache(0);  // unmaps the idle import: the next iteration maps anew
-  }
-  state.SetLabel(std::to_string(h.segment_size >> 20) + " MiB segment");
-}
-BENCHMARK(BM_ImportMapRelease)->DenseRange(0, 2)->Unit(benchmark::kMicrosecond);
-
-// The same with the idle import kept: the segment stays mapped between iterations, as when a
-// training loop sends the same buffers again.
-void BM_ImportIdleSegment(benchmark::State& state) {
-  CudaBackend& b = Cuda();
-  const IpcMemoryHandle& h = g_exported.segments[static_cast<size_t>(state.range(0))];
-  for (auto _ : state) {
-    void* p = b.ImportMemory(h);
-    benchmark::DoNotOptimize(p);
-    b.ReleaseImported(0, p);
+    if (map_anew) b.EmptyCache(0);
   }
   b.EmptyCache(0);
   state.SetLabel(std::to_string(h.segment_size >> 20) + " MiB segment");
 }
+
+void BM_ImportMapRelease(benchmark::State& state) { ImportAndRelease(state, true); }
+BENCHMARK(BM_ImportMapRelease)->DenseRange(0, 2)->Unit(benchmark::kMicrosecond);
+
+// The idle import kept: the segment stays mapped between iterations, as when a training loop
+// sends the same buffers again.
+void BM_ImportIdleSegment(benchmark::State& state) { ImportAndRelease(state, false); }
 BENCHMARK(BM_ImportIdleSegment)->DenseRange(0, 2)->Unit(benchmark::kMicrosecond);
 
 // ExportMemory of a block of this process (+ close of the descriptor it returns). The first

@@ -615,13 +615,16 @@ CudaBackend::CudaBackend() {
   runtime::internal::RegisterKeptResources(
       kKeptOwner,
       [this](runtime::internal::KeptResources& out) {
+        const std::map<int, std::string> nvml = internal::NvmlKeptDescriptors();
+        const bool ready = initialized() && ctx_ != nullptr;
+        if (nvml.empty() && !ready) return;  // nothing of ours: no /proc scan
         const std::map<int, std::string> now = OpenDescriptors();
         // NVML's, from the device query (made without initializing CUDA).
-        for (const auto& [fd, target] : internal::NvmlKeptDescriptors()) {
+        for (const auto& [fd, target] : nvml) {
           auto it = now.find(fd);
           if (it != now.end() && it->second == target) out.AddFd(fd, "device/cuda: NVML");
         }
-        if (!initialized() || ctx_ == nullptr) return;
+        if (!ready) return;
         std::set<int> mine;
         {
           std::lock_guard<std::mutex> lk(ctx_->fds_mu);
@@ -835,6 +838,19 @@ void SyncStream(CudaContext& c, DeviceState& st, const char* what) {
   }
 }
 
+// Work queued on memory about to be unmapped must finish first: synchronizes the stream before
+// the caller destroys `victims` (of TakeIdleVictims); if that throws, they go back to idle.
+void SyncBeforeUnmap(CudaContext& c, DeviceState& st, const char* what,
+                     const std::vector<internal::Imported*>& victims) {
+  try {
+    SyncStream(c, st, what);
+  } catch (...) {
+    std::lock_guard<std::mutex> lk(st.mu);
+    ReturnIdleVictims(st, victims);
+    throw;
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -979,6 +995,44 @@ void CudaBackend::DoSynchronize(int index) {
 
 // ---- IpcBackend ----------------------------------------------------------------------------------
 
+namespace {
+
+// A close-on-exec duplicate of `fd` for ExportMemory's caller to send; `whose` names the
+// descriptor in the error (kResourceExhausted: out of descriptors).
+int DupForExport(int fd, int index, const char* whose) {
+  const int out = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (out < 0) {
+    throw Error(ErrorCode::kResourceExhausted,
+                absl::StrCat("ExportMemory on cuda:", index, ": dup of ", whose, " failed (",
+                             strerror(errno),
+                             "); close unused descriptors or raise the limit (ulimit -n)"));
+  }
+  return out;
+}
+
+// Keeps `fd` as the segment's export descriptor; past kKeptExportFdsMax the least recently
+// exported segment gives its up. Caller holds st.mu.
+void KeepExportFd(DeviceState& st, Segment* seg, int fd) {
+  if (st.kept_export_fds >= internal::kKeptExportFdsMax) {
+    Segment* oldest = nullptr;
+    for (const auto& [base, other] : st.segments) {
+      if (other->export_fd >= 0 && (oldest == nullptr || other->export_tick < oldest->export_tick)) {
+        oldest = other;
+      }
+    }
+    if (oldest != nullptr) {
+      close(oldest->export_fd);
+      oldest->export_fd = -1;
+      --st.kept_export_fds;
+    }
+  }
+  seg->export_fd = fd;
+  seg->export_tick = ++st.export_clock;
+  ++st.kept_export_fds;
+}
+
+}  // namespace
+
 IpcMemoryHandle CudaBackend::ExportMemory(int index, const void* ptr, size_t bytes) {
   Enter(index, "ExportMemory");
   const CudaDriver* d = ctx_->d;
@@ -1007,13 +1061,7 @@ IpcMemoryHandle CudaBackend::ExportMemory(int index, const void* ptr, size_t byt
       h.offset = p - seg->base;
       if (seg->export_fd >= 0) {
         seg->export_tick = ++st.export_clock;
-        h.fd = fcntl(seg->export_fd, F_DUPFD_CLOEXEC, 0);
-        if (h.fd < 0) {
-          throw Error(ErrorCode::kResourceExhausted,
-                      absl::StrCat("ExportMemory on cuda:", index, ": dup of the segment's "
-                                   "descriptor failed (", strerror(errno),
-                                   "); close unused descriptors or raise the limit (ulimit -n)"));
-        }
+        h.fd = DupForExport(seg->export_fd, index, "the segment's descriptor");
         return h;
       }
       alloc = seg->handle;
@@ -1022,16 +1070,14 @@ IpcMemoryHandle CudaBackend::ExportMemory(int index, const void* ptr, size_t byt
       h.segment_id = imp->id;
       h.segment_size = imp->size;
       h.offset = p - imp->base;
-      h.fd = imp->fd < 0 ? -1 : fcntl(imp->fd, F_DUPFD_CLOEXEC, 0);
-      if (h.fd < 0) {
+      if (imp->fd < 0) {
         throw Error(ErrorCode::kResourceExhausted,
                     absl::StrCat("ExportMemory on cuda:", index, ": [", P(ptr), ", +", bytes,
                                  ") is memory imported from another process, and passing it on "
-                                 "needs a copy of its descriptor, which ",
-                                 imp->fd < 0 ? "could not be kept when it was imported"
-                                             : absl::StrCat("could not be made (", strerror(errno), ")"),
-                                 "; raise the descriptor limit (ulimit -n)"));
+                                 "needs its descriptor, which could not be kept when it was "
+                                 "imported; raise the descriptor limit (ulimit -n)"));
       }
+      h.fd = DupForExport(imp->fd, index, "the imported segment's descriptor");
       return h;
     } else {
       throw Error(ErrorCode::kInvalidArgument,
@@ -1052,30 +1098,13 @@ IpcMemoryHandle CudaBackend::ExportMemory(int index, const void* ptr, size_t byt
       ThrowCu(*d, r, "ExportMemory: cuMemExportToShareableHandle");
     }
     fcntl(fd, F_SETFD, FD_CLOEXEC);
-    h.fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (h.fd < 0) {
+    try {
+      h.fd = DupForExport(fd, index, "the new descriptor");
+    } catch (...) {
       close(fd);
-      throw Error(ErrorCode::kResourceExhausted,
-                  absl::StrCat("ExportMemory on cuda:", index, ": dup of the new descriptor "
-                               "failed (", strerror(errno),
-                               "); close unused descriptors or raise the limit (ulimit -n)"));
+      throw;
     }
-    if (st.kept_export_fds >= internal::kKeptExportFdsMax) {
-      Segment* oldest = nullptr;
-      for (const auto& [base, other] : st.segments) {
-        if (other->export_fd >= 0 && (oldest == nullptr || other->export_tick < oldest->export_tick)) {
-          oldest = other;
-        }
-      }
-      if (oldest != nullptr) {
-        close(oldest->export_fd);
-        oldest->export_fd = -1;
-        --st.kept_export_fds;
-      }
-    }
-    seg->export_fd = fd;
-    seg->export_tick = ++st.export_clock;
-    ++st.kept_export_fds;
+    KeepExportFd(st, seg, fd);
   }
   return h;
 }
@@ -1305,14 +1334,7 @@ void CudaBackend::ReleaseImported(int index, void* ptr) {
       }
     }
   }
-  // Work queued on memory about to be unmapped must finish first.
-  try {
-    SyncStream(*ctx_, st, "ReleaseImported");
-  } catch (...) {
-    std::lock_guard<std::mutex> lk(st.mu);
-    ReturnIdleVictims(st, victims);
-    throw;
-  }
+  SyncBeforeUnmap(*ctx_, st, "ReleaseImported", victims);
   std::lock_guard<std::mutex> lk(st.mu);
   for (internal::Imported* imp : victims) DestroyImport(d, st, imp);  // nobody can reach them
   if (!needs_unmap) return;
@@ -1534,14 +1556,7 @@ void CudaBackend::EmptyCache(int index) {
     std::lock_guard<std::mutex> lk(st.mu);
     victims = TakeIdleVictims(st, true);
   }
-  // Work queued on freed blocks and idle imports must finish before they are unmapped.
-  try {
-    SyncStream(*ctx_, st, "EmptyCache");
-  } catch (...) {
-    std::lock_guard<std::mutex> lk(st.mu);
-    ReturnIdleVictims(st, victims);
-    throw;
-  }
+  SyncBeforeUnmap(*ctx_, st, "EmptyCache", victims);  // freed blocks' work too
   std::lock_guard<std::mutex> lk(st.mu);
   ReleaseFreeSegments(ctx_->d, st);
   for (internal::Imported* imp : victims) DestroyImport(ctx_->d, st, imp);
