@@ -1,10 +1,15 @@
 #include "runtime/at_fork.h"
 
 #include <pthread.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
+#include <new>
 #include <thread>
 #include <utility>
 
@@ -12,6 +17,7 @@
 #include "runtime/error.h"
 #include "runtime/framework_lock.h"
 #include "runtime/internal/at_fork_bypass.h"
+#include "runtime/internal/fork_entry.h"
 
 namespace forksafe::runtime {
 namespace {
@@ -19,6 +25,37 @@ namespace {
 thread_local bool t_in_handler = false;
 std::atomic<uint64_t> g_fork_generation{0};
 std::atomic<bool> g_bypass{false};  // see runtime/internal/at_fork_bypass.h
+std::atomic<void (*)()> g_entering{nullptr};  // see runtime/internal/fork_entry.h
+std::atomic<void (*)()> g_entered{nullptr};
+
+void RunHook(const std::atomic<void (*)()>& hook) {
+  if (void (*fn)() = hook.load(std::memory_order_acquire)) fn();
+}
+
+// The calling thread's stack mapping (static TLS included for threads glibc created), found once
+// per thread. Empty for the main thread, whose stack glibc never gives to another thread (objects
+// on it stay intact in a child), and when it cannot be told.
+struct StackRange {
+  uintptr_t lo = 0, hi = 0;
+};
+
+StackRange ThisThreadsStack() {
+  thread_local StackRange range = [] {
+    StackRange r;
+    if (static_cast<pid_t>(syscall(SYS_gettid)) == getpid()) return r;
+    pthread_attr_t attr;
+    if (pthread_getattr_np(pthread_self(), &attr) != 0) return r;
+    void* addr = nullptr;
+    size_t size = 0;
+    if (pthread_attr_getstack(&attr, &addr, &size) == 0) {
+      r.lo = reinterpret_cast<uintptr_t>(addr);
+      r.hi = r.lo + size;
+    }
+    pthread_attr_destroy(&attr);
+    return r;
+  }();
+  return range;
+}
 
 // Runs a parent/child callback; an exception becomes an event.
 void RunQuietly(const std::function<void(bool)>& fn, bool prepared, const std::string& name,
@@ -97,7 +134,10 @@ void AtForkRegistry::Register(const void* handle, AtForkHandler handler) {
                                e.handler.name, "\"); unregister it first or use another handle"));
     }
   }
-  entries_.push_back(Entry{handle, std::move(handler), false});
+  const StackRange stack = ThisThreadsStack();
+  const auto where = reinterpret_cast<uintptr_t>(handle);
+  const bool on_stack = where >= stack.lo && where < stack.hi;
+  entries_.push_back(Entry{handle, std::move(handler), false, on_stack, pthread_self()});
 }
 
 void AtForkRegistry::Unregister(const void* handle) {
@@ -133,8 +173,18 @@ void AtForkRegistry::SetOptions(const AtForkOptions& options) {
                              options.max_prepare_attempts));
   }
   if (options.initial_backoff.count() < 0 || options.max_backoff.count() < 0 ||
-      options.framework_lock_timeout.count() < 0) {
+      options.framework_lock_timeout.count() < 0 || options.prepare_deadline.count() < 0 ||
+      options.attempt_wait.count() < 0) {
     throw Error(ErrorCode::kInvalidArgument, "AtForkOptions durations must not be negative");
+  }
+  // Deadlines are added to clock readings: keep them far from overflowing the clock's range.
+  constexpr std::chrono::hours kLongest{24};
+  if (options.initial_backoff > kLongest || options.max_backoff > kLongest ||
+      options.framework_lock_timeout > kLongest || options.prepare_deadline > kLongest ||
+      options.attempt_wait > kLongest) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "AtForkOptions durations must be at most 24 hours (a fork that waits longer is a "
+                "hang); use shorter deadlines");
   }
   CheckNotInHandler("AtForkRegistry::SetOptions");
   std::lock_guard<std::mutex> lk(mu_);
@@ -184,24 +234,36 @@ void AtForkRegistry::OnChild() {
 }
 
 void AtForkRegistry::Prepare() {
-  mu_.lock();  // released in Parent() or Child()
+  // A worker of a pool that waits here for another thread's fork must not be waited for by that
+  // fork's drain (runtime/internal/fork_entry.h).
+  RunHook(g_entering);
+  std::unique_lock<std::mutex> lk(mu_);
+  fork_done_.wait(lk, [this] { return !forking_; });
+  forking_ = true;
+  lk.release();  // mu_ stays locked until Parent() or Child(), except during back-off below
+  RunHook(g_entered);
   t_in_handler = true;
   current_ = ForkReport{};
   current_.fork_number = fork_count_ + 1;
   for (Entry& e : entries_) e.prepared = false;
 
   const int max_attempts = options_.max_prepare_attempts;
+  const auto started = std::chrono::steady_clock::now();
+  const auto deadline = started + options_.prepare_deadline;
   auto backoff = options_.initial_backoff;
   for (int attempt = 1; attempt <= max_attempts; ++attempt) {
-    const bool last = attempt == max_attempts;
+    const bool last = attempt == max_attempts || std::chrono::steady_clock::now() >= deadline;
     current_.attempts = attempt;
     bool retry = false;
     for (size_t i = entries_.size(); i-- > 0;) {
       Entry& e = entries_[i];
       bool ok = true;
       if (e.handler.prepare) {
+        PrepareAttempt a{attempt, last, current_.fork_number, deadline, deadline};
+        if (!last) a.wait_until = std::min(deadline, std::chrono::steady_clock::now() +
+                                                         options_.attempt_wait);
         try {
-          ok = e.handler.prepare(PrepareAttempt{attempt, last, current_.fork_number});
+          ok = e.handler.prepare(a);
         } catch (const std::exception& ex) {
           ok = false;
           ReportEvent(ForkEventKind::kHandlerThrew, e.handler.name,
@@ -217,8 +279,11 @@ void AtForkRegistry::Prepare() {
       }
       if (last) {
         ReportEvent(ForkEventKind::kPrepareGaveUp, e.handler.name,
-                    absl::StrCat("could not be prepared after ", attempt,
-                                 " attempts; the fork proceeds and the child must treat this "
+                    absl::StrCat("could not be prepared after ", attempt, " attempt(s) in ",
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     std::chrono::steady_clock::now() - started)
+                                     .count(),
+                                 " ms; the fork proceeds and the child must treat this "
                                  "subsystem as unusable until it is rebuilt"));
         continue;  // prepare the rest anyway
       }
@@ -235,7 +300,15 @@ void AtForkRegistry::Prepare() {
       break;
     }
     if (!retry) break;
-    std::this_thread::sleep_for(backoff);
+    // Nothing is prepared now. Let other threads (un)register meanwhile: the thread that holds
+    // what a handler refused on may need to (it creates a pool while holding a lock, say).
+    // Other forks still wait: forking_ stays true.
+    mu_.unlock();
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
+        backoff, std::max<std::chrono::steady_clock::duration>(
+                     deadline - std::chrono::steady_clock::now(), std::chrono::microseconds(0))));
+    mu_.lock();
+    for (Entry& e : entries_) e.prepared = false;
     backoff = std::min(backoff * 2, options_.max_backoff);
   }
 
@@ -260,6 +333,8 @@ void AtForkRegistry::Parent() {
   ForkReport report = current_;
   std::function<void(const ForkReport&)> listener = listener_;
   t_in_handler = false;
+  forking_ = false;
+  fork_done_.notify_all();
   mu_.unlock();
   if (listener && !report.clean()) {
     try {
@@ -276,9 +351,21 @@ void AtForkRegistry::Child() {
   fl.ResetInChild();
   if (framework_lock_taken_) fl.Unlock();
   for (Entry& e : entries_) RunQuietly(e.handler.child, e.prepared, e.handler.name, "child");
+  // Objects on the stacks of threads that do not exist here: glibc hands those stacks to the
+  // child's next threads, so the objects' memory is about to be reused. Their child callbacks
+  // just ran on intact memory; no later fork of this process may touch them again.
+  const pthread_t self = pthread_self();
+  entries_.erase(std::remove_if(entries_.begin(), entries_.end(),
+                                [&](const Entry& e) {
+                                  return e.on_owner_stack && !pthread_equal(e.owner, self);
+                                }),
+                 entries_.end());
   fork_count_ = 0;  // the child has made no fork of its own yet
   last_ = current_;
   t_in_handler = false;
+  forking_ = false;
+  // Threads of the parent may have waited on it; none of them exists here.
+  new (&fork_done_) std::condition_variable();
   // This thread locked mu_ in Prepare() and is the same thread here: unlocking is well defined.
   mu_.unlock();
 }
@@ -300,15 +387,43 @@ DefaultFrameworkLock& internal_default_framework_lock() {
   return AtForkRegistry::Get().default_framework_lock_;
 }
 
+bool LockForFork(std::mutex& mu, const PrepareAttempt& attempt) {
+  if (mu.try_lock()) return true;
+  const auto left = attempt.wait_until - std::chrono::steady_clock::now();
+  if (left <= std::chrono::steady_clock::duration::zero()) return false;
+  // A timed wait on the mutex itself (glibc's pthread mutexes accept it). The realtime clock, not
+  // pthread_mutex_clocklock's monotonic one: ThreadSanitizer intercepts only timedlock, and a lock
+  // it does not see would make every later unlock an error there. A clock step shortens or
+  // lengthens one wait; the registry's deadline still bounds the fork.
+  timespec until{};
+  clock_gettime(CLOCK_REALTIME, &until);
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+  until.tv_sec += static_cast<time_t>(ns / 1000000000);
+  until.tv_nsec += static_cast<long>(ns % 1000000000);
+  if (until.tv_nsec >= 1000000000) {
+    until.tv_nsec -= 1000000000;
+    ++until.tv_sec;
+  }
+  for (;;) {
+    const int rc = pthread_mutex_timedlock(mu.native_handle(), &until);
+    if (rc == 0) return true;
+    if (rc != EINTR) return false;  // ETIMEDOUT (or an error: treated as "not yet")
+  }
+}
+
 void HoldAcrossFork(std::mutex* mu, std::string name, std::function<void()> in_child) {
   AtForkHandler h;
   h.name = std::move(name);
-  h.prepare = [mu](const PrepareAttempt&) {
-    mu->lock();
-    return true;
+  h.prepare = [mu](const PrepareAttempt& attempt) { return LockForFork(*mu, attempt); };
+  h.parent = [mu](bool prepared) {
+    if (prepared) mu->unlock();
   };
-  h.parent = [mu](bool) { mu->unlock(); };
-  h.child = [mu, in_child = std::move(in_child)](bool) {
+  h.child = [mu, in_child = std::move(in_child)](bool prepared) {
+    if (!prepared) {
+      // Another thread held it at the fork and does not exist here: a fresh, unlocked mutex.
+      new (mu) std::mutex();
+      mu->lock();
+    }
     if (in_child) in_child();
     mu->unlock();
   };
@@ -319,6 +434,10 @@ bool InForkHandler() { return t_in_handler; }
 
 namespace internal {
 void SetAtForkBypassForBenchmark(bool bypass) { g_bypass.store(bypass); }
+void SetForkEntryHooks(void (*entering)(), void (*entered)()) {
+  g_entering.store(entering, std::memory_order_release);
+  g_entered.store(entered, std::memory_order_release);
+}
 }  // namespace internal
 
 uint64_t ForkGeneration() { return g_fork_generation.load(std::memory_order_relaxed); }

@@ -8,38 +8,67 @@
 // The protocol (see docs/design.md for the full sequence diagram)
 //
 //   forking thread            registry                         handlers h0..hN (registration order)
-//   fork() ──prepare──▶  lock registry (held until parent/child)
-//                        attempt k = 1..max:
+//   fork() ──prepare──▶  wait while another thread's fork is in its prepare phase
+//                        lock registry (held until parent/child, except during back-off)
+//                        attempt k = 1..max, until AtForkOptions::prepare_deadline:
 //                          hN.prepare, ..., h0.prepare     (reverse order)
 //                          one says "not yet" ─▶ roll back: parent(true) on those already
-//                                                prepared, back off, retry
+//                                                prepared, unlock the registry, back off, lock,
+//                                                retry (threads may (un)register meanwhile)
 //                          last attempt: a refusal is recorded (kPrepareGaveUp) and the fork
 //                                        proceeds with that handler marked unprepared
 //                        take the framework lock (last)
 //          ◀──(kernel fork)──▶
 //   parent:              release framework lock (first); h0.parent .. hN.parent; unlock registry
-//   child:               reset framework lock (first);  h0.child  .. hN.child;  unlock registry
+//   child:               reset framework lock (first);  h0.child  .. hN.child;
+//                        forget handlers whose handle lived on another thread's stack;
+//                        unlock registry
 //
 // Guarantees
 //   - prepare runs in reverse registration order; parent and child in registration order
 //     (glibc's rule, as in folly's AtFork and gRPC core).
-//   - Register/Unregister are thread-safe. A call made while another thread forks waits until that
-//     fork's parent phase has finished. A call made from inside a handler is an error
+//   - Register/Unregister are thread-safe. A call made while another thread forks waits while
+//     that fork's handlers are prepared (until its parent phase has finished, or until its
+//     back-off between two attempts). A call made from inside a handler is an error
 //     (kFailedPrecondition), never a deadlock.
 //   - Handlers never see exceptions escape: a prepare that throws counts as "not yet"; a parent or
 //     child callback that throws is recorded as an event. Handlers report trouble with ReportEvent.
-//   - Bounded: at most AtForkOptions::max_prepare_attempts rounds, with exponential back-off.
+//   - Bounded: at most AtForkOptions::max_prepare_attempts rounds, with exponential back-off, and
+//     no new round starts after AtForkOptions::prepare_deadline: the round that starts past it is
+//     the last. Between rounds the registry lock is released, so a thread that must register a
+//     handler (create a ThreadPool, say) to let a "not yet" subsystem go can do so.
+//   - Forks of several threads at once are serialized: a thread whose fork waits for another's
+//     is known to the pools, which do not wait for a worker that is itself inside fork().
+//   - Objects owned by threads that vanish at the fork are never touched by the child's later
+//     forks: a handler whose handle lies on the stack (or static TLS) of the thread that
+//     registered it, when that thread is not the forking one, runs its child callback once
+//     (its memory is still intact then) and is then forgotten in the child (glibc gives such
+//     stacks to the child's next threads). The main thread's stack is not reused that way:
+//     handlers registered there stay.
+//
+// The rule for handlers (what keeps a fork from hanging)
+//   A prepare callback never blocks without bound. It may wait until PrepareAttempt::wait_until
+//   (use LockForFork() for a mutex); when that passes it returns false ("not yet"): the registry
+//   rolls back and retries, which lets a thread that holds the lock while it waits for something
+//   a prepared subsystem paused make progress. On the last attempt a refusal is final: the fork
+//   proceeds, the handler's parent and child callbacks get prepared == false.
 //
 // Hazards
 //   - Handlers run with the registry lock held: they must not wait for another thread that is
-//     itself about to fork or (un)register a handler.
+//     itself about to fork or (un)register a handler (other than through LockForFork's bounded
+//     wait).
 //   - A `prepare` that returns false must have released everything it took in that attempt.
 //   - pthread_atfork cannot refuse a fork: when a subsystem cannot be prepared in time, the child
 //     must treat it as unusable and rebuild it; its child callback receives prepared == false.
+//   - A handle that points into another thread's stack, registered by a thread other than its
+//     owner, is not recognized as stack-owned: register from the thread that owns the object.
 #ifndef FORKSAFE_RUNTIME_AT_FORK_H_
 #define FORKSAFE_RUNTIME_AT_FORK_H_
 
+#include <pthread.h>
+
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -55,6 +84,11 @@ struct PrepareAttempt {
   int number = 1;            ///< 1-based attempt number within this fork.
   bool last = false;         ///< On the last attempt a refusal no longer causes a retry.
   uint64_t fork_number = 0;  ///< Identifies the fork (ForkReport::fork_number) across attempts.
+  /// The fork's prepare deadline (its start + AtForkOptions::prepare_deadline).
+  std::chrono::steady_clock::time_point deadline{};
+  /// How long this prepare call may block: a slice (AtForkOptions::attempt_wait) on an attempt
+  /// that can still be retried, the deadline on the last one.
+  std::chrono::steady_clock::time_point wait_until{};
 };
 
 /// The callbacks of one subsystem. Any of them may be empty.
@@ -108,6 +142,11 @@ struct AtForkOptions {
   std::chrono::microseconds initial_backoff{100};     ///< First sleep after a roll-back.
   std::chrono::microseconds max_backoff{20000};       ///< Cap of the doubling back-off.
   std::chrono::milliseconds framework_lock_timeout{2000};
+  /// No prepare round starts after the fork's start + this; the round that starts past it is the
+  /// last, and handlers that wait (LockForFork) wait at most until it.
+  std::chrono::milliseconds prepare_deadline{3000};
+  /// How long one handler may block in a round that can still be retried (see wait_until).
+  std::chrono::milliseconds attempt_wait{50};
 };
 
 /// The process-wide registry. Obtain it with AtForkRegistry::Get(); it is never destroyed.
@@ -160,6 +199,8 @@ class alignas(1024) AtForkRegistry {
     const void* handle;
     AtForkHandler handler;
     bool prepared = false;
+    bool on_owner_stack = false;  // handle lies on the registering thread's stack or static TLS
+    pthread_t owner{};            // the registering thread (meaningful with on_owner_stack)
   };
 
   AtForkRegistry();
@@ -172,6 +213,8 @@ class alignas(1024) AtForkRegistry {
   void CheckNotInHandler(const char* what) const;
 
   mutable std::mutex mu_;  // guards everything below; held from prepare to parent/child
+  std::condition_variable fork_done_;  // a fork's parent phase ended (forking_ went false)
+  bool forking_ = false;               // a fork is between its prepare and parent phases
   std::vector<Entry> entries_;
   AtForkOptions options_;
   ForkReport current_;
@@ -200,8 +243,19 @@ class AtForkRegistration {
 /// child after `in_child` ran (with the lock still held, on the child's only thread). The common
 /// case of a subsystem whose state is guarded by one mutex: no thread is half-way through it at
 /// the fork, and the child can reset it safely. `mu` is the registration handle and must live
-/// for the rest of the process. Throws as AtForkRegistry::Register.
+/// for the rest of the process (or be on the stack of the registering thread: see Guarantees).
+/// Throws as AtForkRegistry::Register.
+/// The lock is taken with LockForFork: a thread that holds `mu` while it waits for a subsystem
+/// prepared before it (a paused pool, a registration, the framework lock) makes the prepare say
+/// "not yet", never hang. When `mu` could not be taken by the last attempt the fork proceeds
+/// without it (kPrepareGaveUp); the child then rebuilds `mu` unlocked (its holder does not exist
+/// there) and runs `in_child` on it: the state it guards may be half-updated, and `in_child` is
+/// where to reset it.
 void HoldAcrossFork(std::mutex* mu, std::string name, std::function<void()> in_child = nullptr);
+
+/// Locks `mu` for a prepare callback: waits at most until attempt.wait_until and returns whether
+/// it holds the lock. The one way a prepare should take a mutex (see "The rule for handlers").
+bool LockForFork(std::mutex& mu, const PrepareAttempt& attempt);
 
 /// True on the thread that is running at-fork handlers, while it runs them.
 bool InForkHandler();

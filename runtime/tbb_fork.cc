@@ -95,7 +95,16 @@ bool Prepare(const PrepareAttempt& attempt) {
   // A process whose oneTBB was left inconsistent by an earlier fork must not touch it again;
   // its children inherit the "unusable" flag.
   if (!st.usable.load()) return true;
-  st.mu.lock();  // unlocked in the parent and child handlers, or below when returning false
+  // Unlocked in the parent and child handlers, or below when returning false. Held elsewhere
+  // only for an instant (ReleaseTbbScheduler), but a prepare never waits without bound.
+  if (!LockForFork(st.mu, attempt)) {
+    if (attempt.last) {
+      AtForkRegistry::ReportEvent(ForkEventKind::kSubsystemUnusable, "onetbb",
+                                  "oneTBB's fork lock was held by another thread until the "
+                                  "deadline; the child must not use oneTBB");
+    }
+    return false;
+  }
   const bool was_held = static_cast<bool>(st.handle);
   HoldScheduler(st);
   const bool joined = tbb::finalize(st.handle, std::nothrow);  // releases the handle either way

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "runtime/at_fork.h"
 #include "runtime/error.h"
+#include "runtime/internal/fork_entry.h"
 #include "runtime/tbb_fork.h"
 
 namespace forksafe::runtime {
@@ -28,7 +29,8 @@ struct PoolState {
   std::deque<std::function<void()>> queue;
   std::list<Worker> workers;
   int live = 0;     // workers inside WorkerLoop
-  int running = 0;  // tasks in flight
+  int running = 0;  // tasks in flight (on workers and on threads that help)
+  int forking_workers = 0;  // workers inside fork(), waiting for another thread's fork
   bool paused = false;
   bool stopping = false;
   uint64_t generation = ForkGeneration();
@@ -43,34 +45,9 @@ namespace {
 using internal::PoolState;
 
 thread_local PoolState* t_worker_state = nullptr;
-// The pool whose tasks this thread is running right now (worker or helper), and how many nested.
-thread_local PoolState* t_running_state = nullptr;
-thread_local int t_running_depth = 0;
-
-// Marks the calling thread as running a task of `s` for a scope.
-class RunningTask {
- public:
-  explicit RunningTask(PoolState* s) : prev_state_(t_running_state), prev_depth_(t_running_depth) {
-    if (t_running_state != s) {
-      t_running_state = s;
-      t_running_depth = 0;
-    }
-    ++t_running_depth;
-  }
-  ~RunningTask() {
-    t_running_state = prev_state_;
-    t_running_depth = prev_depth_;
-  }
-
- private:
-  PoolState* prev_state_;
-  int prev_depth_;
-};
-
-// Runs one task of `s` on this thread; returns whether it threw. The task (and what it captured)
-// is destroyed before returning.
-bool RunTask(PoolState* s, std::function<void()> task) {
-  RunningTask mark(s);
+// Runs one task on this thread; returns whether it threw. The task (and what it captured) is
+// destroyed before returning.
+bool RunTask(std::function<void()> task) {
   try {
     task();
   } catch (...) {
@@ -89,7 +66,7 @@ void WorkerLoop(PoolState* s, PoolState::Worker* self) {
     s->queue.pop_front();
     ++s->running;
     lk.unlock();
-    const bool threw = RunTask(s, std::move(task));
+    const bool threw = RunTask(std::move(task));
     if (ForkGeneration() != s->generation) {
       // This thread forked from inside the task and is now the only thread of a child: the
       // state belongs to the parent. Touch nothing; ending the thread is all that is left.
@@ -148,6 +125,23 @@ void ReapExitedLocked(PoolState* s, std::unique_lock<std::mutex>& lk) {
   lk.lock();
 }
 
+// The registry's fork-entry hooks (runtime/internal/fork_entry.h): a worker inside fork(), waiting
+// for another thread's fork, is not waited for by that fork's drain.
+void OnForkEntering() {
+  PoolState* s = t_worker_state;
+  if (s == nullptr || ForkGeneration() != s->generation) return;
+  std::lock_guard<std::mutex> lk(s->mu);
+  ++s->forking_workers;
+  s->drain_cv.notify_all();
+}
+
+void OnForkEntered() {
+  PoolState* s = t_worker_state;
+  if (s == nullptr || ForkGeneration() != s->generation) return;
+  std::lock_guard<std::mutex> lk(s->mu);
+  --s->forking_workers;
+}
+
 }  // namespace
 
 ThreadPool::ThreadPool(ThreadPoolOptions options) : options_(std::move(options)) {
@@ -165,6 +159,8 @@ ThreadPool::ThreadPool(ThreadPoolOptions options) : options_(std::move(options))
   // oneTBB's handler must be registered before any pool: prepare runs in reverse order, so the
   // pools drain first and oneTBB is finalized after them.
   InstallTbbForkHandler();
+  static std::once_flag hooks_once;
+  std::call_once(hooks_once, [] { internal::SetForkEntryHooks(&OnForkEntering, &OnForkEntered); });
   state_.store(new PoolState());
   AtForkHandler h;
   h.name = "thread_pool:" + options_.name;
@@ -241,13 +237,16 @@ bool ThreadPool::TryRunOne() {
   std::function<void()> task;
   {
     std::lock_guard<std::mutex> lk(s->mu);
-    // While paused for a fork only a worker may help: its in-flight task may wait for these.
-    if (s->queue.empty() || (s->paused && t_worker_state != s)) return false;
+    // Also while paused for a fork: a thread that waits for its own tasks (a TaskGroup, a
+    // ParallelFor) runs them itself, so it never waits for workers that the fork keeps stopped
+    // (while holding a lock that a prepare wants, say). Such a thread is not one of the pool's
+    // workers, and the drain does not wait for it: it is the caller's own work.
+    if (s->queue.empty()) return false;
     task = std::move(s->queue.front());
     s->queue.pop_front();
     ++s->running;
   }
-  const bool threw = RunTask(s, std::move(task));
+  const bool threw = RunTask(std::move(task));
   if (ForkGeneration() != s->generation) return true;  // forked inside the task: state is gone
   std::lock_guard<std::mutex> lk(s->mu);
   --s->running;
@@ -275,13 +274,51 @@ void ThreadPool::ParallelFor(int64_t begin, int64_t end, int64_t grain,
     throw Error(ErrorCode::kInvalidArgument,
                 absl::StrCat("ParallelFor grain must be >= 1, got ", grain));
   }
+  if (!body) throw Error(ErrorCode::kInvalidArgument, "ParallelFor was given an empty body");
   if (end <= begin) return;
-  TaskGroup group(*this);
-  for (int64_t lo = begin; lo < end; lo += grain) {
-    const int64_t hi = std::min(end, lo + grain);
-    group.Run([&body, lo, hi] { body(lo, hi); });
+  // In unsigned arithmetic: end - begin and lo + grain may not fit in int64_t.
+  const uint64_t span = static_cast<uint64_t>(end) - static_cast<uint64_t>(begin);
+  const uint64_t step = static_cast<uint64_t>(grain);
+  const uint64_t chunks = span / step + (span % step != 0 ? 1 : 0);
+  if (chunks > kParallelForMaxChunks) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("ParallelFor over [", begin, ", ", end, ") in chunks of ", grain,
+                             " would make ", chunks, " chunks, more than the limit of ",
+                             kParallelForMaxChunks,
+                             " (one call of the body each); raise the grain to at least ",
+                             span / kParallelForMaxChunks + 1));
   }
-  group.Wait();
+  // Chunks are handed out from one counter, so memory does not grow with their number: the
+  // calling thread and up to num_threads() helper tasks take the next chunk until none is left.
+  struct Shared {
+    std::atomic<uint64_t> next{0};
+    std::mutex mu;
+    std::exception_ptr error;  // the first one, guarded by mu
+  } shared;
+  auto run_chunks = [&shared, &body, begin, end, span, step, chunks] {
+    for (;;) {
+      const uint64_t c = shared.next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= chunks) return;
+      const uint64_t offset = c * step;  // < span
+      const auto lo = static_cast<int64_t>(static_cast<uint64_t>(begin) + offset);
+      // lo + step < end here unless this is the last chunk: no overflow.
+      const int64_t hi = span - offset <= step ? end : lo + static_cast<int64_t>(step);
+      try {
+        body(lo, hi);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(shared.mu);
+        if (!shared.error) shared.error = std::current_exception();
+      }
+    }
+  };
+  {
+    TaskGroup group(*this);
+    const uint64_t helpers = std::min<uint64_t>(static_cast<uint64_t>(num_threads_), chunks - 1);
+    for (uint64_t i = 0; i < helpers; ++i) group.Run(run_chunks);
+    run_chunks();  // the caller works too: it never waits for workers that cannot come
+    group.Wait();  // helpers not started yet find no chunk left (or run here if the pool paused)
+  }
+  if (shared.error) std::rethrow_exception(shared.error);
 }
 
 int ThreadPool::live_workers() const {
@@ -334,16 +371,15 @@ bool ThreadPool::PrepareFork(uint64_t fork_number, bool last) {
                                                                     std::chrono::milliseconds(1));
   const auto wait_until = last ? hard_deadline : std::min(hard_deadline, now + slice);
   const int self = (t_worker_state == s) ? 1 : 0;  // a fork from our own worker
-  // Tasks this thread is itself running (a fork from inside a task, on a worker or a helping
-  // thread) cannot finish before the fork: do not wait for them.
-  const int self_running = (t_running_state == s) ? t_running_depth : 0;
 
   std::unique_lock<std::mutex> lk(s->mu);
   s->paused = true;
   s->work_cv.notify_all();
-  const bool drained = s->drain_cv.wait_until(lk, wait_until, [s, self, self_running] {
-    return s->live <= self && s->running <= self_running;
-  });
+  // Workers leave their loop when their task ends. Not waited for: this thread (a fork from one
+  // of our tasks), workers that are themselves inside fork() waiting for this one (they cannot
+  // finish first), and tasks that threads other than workers run for themselves (TryRunOne).
+  const bool drained = s->drain_cv.wait_until(
+      lk, wait_until, [s, self] { return s->live <= self + s->forking_workers; });
   ReapExitedLocked(s, lk);
   if (drained) {
     drained_this_fork_ = true;
@@ -357,7 +393,8 @@ bool ThreadPool::PrepareFork(uint64_t fork_number, bool last) {
   drain_timeouts_.fetch_add(1, std::memory_order_relaxed);
   AtForkRegistry::ReportEvent(
       ForkEventKind::kDrainDeadlineExceeded, "thread_pool:" + options_.name,
-      absl::StrCat(s->running - self_running, " task(s) still running after the drain deadline of ",
+      absl::StrCat(s->live - self - s->forking_workers,
+                   " worker(s) still running a task after the drain deadline of ",
                    options_.drain_deadline.count(),
                    " ms; the fork proceeds, the child gets a fresh pool, and the parent's "
                    "tasks go on"));

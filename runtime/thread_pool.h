@@ -6,16 +6,24 @@
 //   lazily on first use. ThreadPool::Default() is a process-wide pool.
 //
 // Fork behaviour (each pool registers itself with the at-fork registry)
-//   prepare: stop intake (queued tasks stay queued), let in-flight tasks finish within
-//            ThreadPoolOptions::drain_deadline, then join the idle workers. A fork issued from
-//            one of this pool's own workers does not wait for itself. If a task outlives the
-//            deadline the fork still proceeds and ForkEventKind::kDrainDeadlineExceeded is
-//            reported (before the deadline, prepare says "not yet" so the registry can roll back
-//            other subsystems that the task may be waiting for).
+//   prepare: stop intake (queued tasks stay queued), let the workers' in-flight tasks finish
+//            within ThreadPoolOptions::drain_deadline, then join the idle workers. Not waited
+//            for: a fork issued from one of this pool's own workers (it does not wait for
+//            itself), workers that are themselves inside fork() waiting for this fork (two tasks
+//            that fork at once never wait for each other), and tasks that a thread other than a
+//            worker runs for itself (TaskGroup::Wait, ParallelFor and TryRunOne run queued tasks
+//            on the calling thread, also while the pool is paused: a thread that holds a lock a
+//            prepare wants never waits for workers the fork has stopped). If a worker's task
+//            outlives the deadline the fork still proceeds and
+//            ForkEventKind::kDrainDeadlineExceeded is reported (before the deadline, prepare
+//            says "not yet" so the registry can roll back other subsystems that the task may be
+//            waiting for).
 //   parent:  intake resumes; queued tasks run again on fresh workers.
 //   child:   the inherited state (queue, mutexes, thread objects) is abandoned untouched; the pool
 //            is rebuilt empty on first use. Tasks queued in the parent never run in the child.
-//
+//            A pool that lives on the stack of a thread other than the forking one is forgotten
+//            by the child's registry after this callback (its memory is reused there).
+
 // Guarantees
 //   - All methods are thread-safe. Tasks run at most once, in FIFO order of submission per pool.
 //   - An exception thrown by a Submit() task reaches its future; one thrown by a Post() task is
@@ -99,9 +107,19 @@ class ThreadPool {
   void Wait();
 
   /// Runs body(lo, hi) over [begin, end) in chunks of at most `grain` (>= 1), on the workers and
-  /// the calling thread; rethrows the first exception after all chunks finished.
+  /// the calling thread; rethrows the first exception after all chunks finished. Memory does not
+  /// grow with the number of chunks (they are handed out from one counter to at most
+  /// num_threads() helper tasks and the caller), and the caller runs chunks itself, so a
+  /// ParallelFor finishes even while the pool is paused for a fork or all its workers are busy.
+  /// Throws kInvalidArgument for grain < 1, an empty body, or more than kParallelForMaxChunks
+  /// chunks (the message names the smallest grain that fits). Any int64_t range is handled
+  /// without overflow.
   void ParallelFor(int64_t begin, int64_t end, int64_t grain,
                    const std::function<void(int64_t, int64_t)>& body);
+
+  /// The most chunks one ParallelFor makes: 2^32 calls of the body (about a minute of calls that
+  /// do nothing); a range that needs more is a mistake in the grain, not work.
+  static constexpr uint64_t kParallelForMaxChunks = uint64_t{1} << 32;
 
   /// Runs one queued task on the calling thread, if there is one. Returns whether it did.
   bool TryRunOne();
