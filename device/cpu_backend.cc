@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/error.h"
+#include "runtime/internal/memory_bounds.h"
 
 namespace forksafe::device {
 
@@ -23,7 +24,12 @@ DeviceProperties CpuBackend::Properties(int index) const {
 }
 
 void* CpuBackend::DoAllocate(int index, size_t bytes) {
-  const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  // Bounded before anything is reserved: rounding must not wrap (SIZE_MAX - 8 would become a
+  // 0-byte block), and a size beyond physical memory + swap or the process's limits is refused
+  // at once instead of succeeding under overcommit and being killed at first touch.
+  const size_t rounded = runtime::internal::RoundUpOrThrow(bytes, kAlignment, "cpu: Allocate");
+  runtime::internal::CheckMemoryAvailable(rounded, runtime::internal::MemoryUse::kPrivate,
+                                          "cpu: Allocate");
   void* p = std::aligned_alloc(kAlignment, rounded);
   if (p == nullptr) {
     throw runtime::Error(runtime::ErrorCode::kResourceExhausted,

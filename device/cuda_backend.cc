@@ -29,6 +29,7 @@
 #include "device/internal/cuda_driver.h"
 #include "runtime/error.h"
 #include "runtime/internal/kept_resources.h"
+#include "runtime/internal/memory_bounds.h"
 
 namespace forksafe::device {
 
@@ -103,7 +104,8 @@ constexpr size_t kIdleImportBytesMax = size_t{1} << 30;
 // recently exported one closes it (and asks the driver again at its next export).
 constexpr size_t kKeptExportFdsMax = 256;
 
-size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+// Checked: a size near SIZE_MAX is kResourceExhausted, never a wrap to a tiny block.
+size_t RoundUp(size_t n, size_t to) { return runtime::internal::RoundUpOrThrow(n, to, "cuda"); }
 
 uint64_t RandomId() {
   uint64_t v = 0;

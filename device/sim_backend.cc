@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "runtime/internal/memory_bounds.h"
 #include "absl/strings/str_cat.h"
 #include "runtime/error.h"
 #include "runtime/internal/kept_resources.h"
@@ -67,7 +68,8 @@ int EnvInt(const char* name, int def, int lo, int hi) {
   return static_cast<int>(n);
 }
 
-size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+// Checked: a size near SIZE_MAX is kResourceExhausted, never a wrap to a tiny block.
+size_t RoundUp(size_t n, size_t to) { return runtime::internal::RoundUpOrThrow(n, to, "sim"); }
 
 uint64_t RandomId() {
   uint64_t id = 0;
@@ -613,6 +615,9 @@ void* SimBackend::DoAllocate(int index, size_t bytes) {
                               ? internal::kGranularity
                               : internal::RoundUp(need, internal::kGranularity);
   ctx_->Reserve(index, dev, seg_size, bytes);
+  // The segment is reserved with fallocate: check what the host can give first.
+  runtime::internal::CheckMemoryAvailable(seg_size, runtime::internal::MemoryUse::kShared,
+                                          absl::StrCat("sim:", index, ": Allocate"));
   const int fd = SimContext::CreateMemfd(index, internal::kSegmentName, seg_size);
   SimSegment* seg =
       ctx_->AddSegment(index, dev, SimSegment::kOwn, fd, seg_size, internal::RandomId());
@@ -717,6 +722,8 @@ void* SimBackend::AllocateForeign(int index, size_t bytes) {
   std::lock_guard<std::mutex> lk(ctx_->mem_mu);
   SimDeviceMemory& dev = ctx_->devices[index];
   ctx_->Reserve(index, dev, size, bytes);
+  runtime::internal::CheckMemoryAvailable(size, runtime::internal::MemoryUse::kShared,
+                                          absl::StrCat("sim:", index, ": AllocateForeign"));
   const int fd = SimContext::CreateMemfd(index, internal::kForeignName, size);
   SimSegment* seg =
       ctx_->AddSegment(index, dev, SimSegment::kForeign, fd, size, internal::RandomId());

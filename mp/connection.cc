@@ -183,6 +183,22 @@ void Connection::SendMessage(const Message& msg) {
   }
 }
 
+namespace {
+// RecvAll for RecvMessage: descriptors that could not be received (kResourceExhausted: this
+// process is at its descriptor limit; scm_rights.h) leave the rest of the message in the stream,
+// so the connection is closed, as for a torn timeout, and the error goes to the caller.
+Received RecvAllOrClose(FileDescriptor& fd, char* data, size_t len,
+                        std::vector<FileDescriptor>* fds, const internal::Deadline& deadline,
+                        size_t* got) {
+  try {
+    return RecvAll(fd.get(), data, len, fds, deadline, got);
+  } catch (const Error& e) {
+    if (e.code() == ErrorCode::kResourceExhausted) fd.reset();
+    throw;
+  }
+}
+}  // namespace
+
 Message Connection::RecvMessage(Timeout timeout) {
   State& s = Live("recv");
   if (!s.readable) {
@@ -202,7 +218,7 @@ Message Connection::RecvMessage(Timeout timeout) {
   Message msg;
   char raw[sizeof(FrameHeader)];
   size_t got = 0;
-  switch (RecvAll(sock, raw, sizeof(raw), &msg.fds, deadline, &got)) {
+  switch (RecvAllOrClose(s.fd, raw, sizeof(raw), &msg.fds, deadline, &got)) {
     case Received::kEndOfStream:
       ThrowPeerClosed("recv");
     case Received::kTimedOut:
@@ -225,7 +241,7 @@ Message Connection::RecvMessage(Timeout timeout) {
   }
   msg.bytes.resize(h.length);
   if (h.length > 0) {
-    switch (RecvAll(sock, msg.bytes.data(), h.length, &msg.fds, deadline, &got)) {
+    switch (RecvAllOrClose(s.fd, msg.bytes.data(), h.length, &msg.fds, deadline, &got)) {
       case Received::kEndOfStream:
         throw Error(ErrorCode::kClosed,
                     absl::StrCat("recv: the peer closed the connection in the middle of a "

@@ -706,12 +706,18 @@ struct Pool::Impl {
   void Settle(Worker& w) {
     std::optional<int> code;
     std::optional<ChildFailure> report;
+    std::string lost;  // why its exit status is unknown (the program reaped it: mp/process.h)
     try {
-      code = w.proc->exitcode();
       report = w.proc->failure();
+      code = w.proc->exitcode();
+    } catch (const Error& e) {
+      lost = e.message();
     } catch (...) {
     }
-    const int exit_code = code.value_or(-SIGKILL);
+    // A lost status is not invented: exit code 0 and the process's own words for why (mp/pool.h).
+    const int exit_code = code.value_or(0);
+    const std::string how =
+        lost.empty() ? DescribeExit(exit_code) : absl::StrCat("died (", lost, ")");
     if (w.held) {
       Chunk c = std::move(*w.held);
       w.held.reset();
@@ -719,8 +725,8 @@ struct Pool::Impl {
         std::lock_guard<std::mutex> lk(mu);
         pending.push_front(std::move(c));  // it never reached the worker
       } else {
-        std::string msg = absl::StrCat("pool worker ", w.name, " (pid ", w.pid, ") ",
-                                       DescribeExit(exit_code), " while running ", c.Describe());
+        std::string msg = absl::StrCat("pool worker ", w.name, " (pid ", w.pid, ") ", how,
+                                       " while running ", c.Describe());
         if (report) absl::StrAppend(&msg, " [", report->type, ": ", report->message, "]");
         absl::StrAppend(&msg, "; the task is not retried, and the pool starts a replacement "
                               "worker");
@@ -731,8 +737,7 @@ struct Pool::Impl {
       if (++startup_failures >= kMaxStartupFailures) {
         std::string msg = absl::StrCat(
             "pool ", name, " is broken: ", kMaxStartupFailures,
-            " workers in a row died before they were ready; the last one (pid ", w.pid, ") ",
-            DescribeExit(exit_code));
+            " workers in a row died before they were ready; the last one (pid ", w.pid, ") ", how);
         if (report) absl::StrAppend(&msg, " [", report->type, ": ", report->message, "]");
         Break(std::make_exception_ptr(WorkerLostError(w.pid, exit_code, msg)));
       }

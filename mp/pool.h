@@ -127,7 +127,8 @@ class WorkerLostError : public runtime::Error {
   WorkerLostError(pid_t worker_pid, int exit_code, const std::string& message);
   /// The worker that died (already reaped).
   pid_t worker_pid() const { return pid_; }
-  /// Negative signal number when killed by a signal, as Process::exitcode().
+  /// Negative signal number when killed by a signal, as Process::exitcode(); 0 when its exit
+  /// status is lost (the program reaped it, see mp/process.h), which the message then says.
   int exit_code() const { return exit_code_; }
   /// "SIGSEGV (Segmentation fault)", or "" when the worker exited by itself.
   const std::string& signal_name() const { return signal_name_; }

@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -86,13 +87,19 @@ namespace internal {
 pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd) {
   // Move the descriptors above 4 first, so that dup2 onto 3 and 4 always makes fresh,
   // inheritable ones (and neither source is overwritten by the other's dup2).
-  FileDescriptor src(fcntl(fd_for_child, F_DUPFD_CLOEXEC, 10));
-  if (!src) runtime::ThrowSystemError("fcntl(F_DUPFD_CLOEXEC)", errno);
+  // EINVAL: the limit of descriptors is 10 or less, so no descriptor 10 can exist.
+  auto dup_high = [](int fd) {
+    FileDescriptor d(fcntl(fd, F_DUPFD_CLOEXEC, 10));
+    if (!d) {
+      const int err = errno;
+      ThrowCannotStartProcess("fcntl(F_DUPFD_CLOEXEC, 10) before spawning",
+                              err == EINVAL ? EMFILE : err);
+    }
+    return d;
+  };
+  FileDescriptor src = dup_high(fd_for_child);
   FileDescriptor secret;
-  if (secret_fd >= 0) {
-    secret.reset(fcntl(secret_fd, F_DUPFD_CLOEXEC, 10));
-    if (!secret) runtime::ThrowSystemError("fcntl(F_DUPFD_CLOEXEC)", errno);
-  }
+  if (secret_fd >= 0) secret = dup_high(secret_fd);
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, src.get(), kBootstrapFd);
@@ -102,14 +109,7 @@ pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd) {
   pid_t pid = 0;
   const int rc = posix_spawn(&pid, "/proc/self/exe", &fa, nullptr, argv, environ);
   posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) {
-    if (rc == EAGAIN || rc == ENOMEM) {
-      throw Error(ErrorCode::kResourceExhausted,
-                  absl::StrCat("could not spawn a process: ", strerror(rc),
-                               "; too many processes or too little memory"));
-    }
-    runtime::ThrowSystemError("posix_spawn of /proc/self/exe", rc);
-  }
+  if (rc != 0) ThrowCannotStartProcess("posix_spawn of /proc/self/exe", rc);
   return pid;
 }
 
@@ -133,10 +133,13 @@ struct Process::Impl {
   pid_t pid = 0;
   pid_t owner = 0;       // the process that started it
   FileDescriptor pidfd;  // waits without polling (fork and spawn), where the kernel has pidfds
+  bool gone_at_start = false;  // exited and reaped by someone else before its pidfd was opened
   Connection result;     // child -> parent reports (and the fork server's "exit")
   bool said_hello = false;
   bool server_reported_exit = false;
+  bool status_known = false;   // wait_status is the kernel's (or the child's own report)
   int wait_status = 0;
+  std::optional<int> reported_exit_code;  // the child's own "exiting" report
   std::optional<ChildFailure> failure;
 
   void CheckOwner(const char* what) const {
@@ -148,19 +151,38 @@ struct Process::Impl {
     }
   }
 
-  // Reads the reports that are available, waiting for the first one until `deadline` (no wait
-  // when nullopt is not given... see callers). Stops at end-of-stream.
-  void ReadReports(internal::Deadline deadline) {
+  void CheckNotClosed(const char* what) const {
+    if (state == State::kClosed) {
+      throw Error(ErrorCode::kClosed,
+                  absl::StrCat(what, ": process \"", options.name,
+                               "\" is closed (as Python's \"process object is closed\"); a "
+                               "Process runs once: make a new one to run the target again"));
+    }
+  }
+
+  // Reads the reports on the result channel until end-of-stream or the fork server's "exit",
+  // waiting for each next one until `until`: nullopt waits as long as it takes, a time point in
+  // the past reads only what is already there.
+  void ReadReports(internal::Deadline until) {
     while (!result.closed()) {
-      double left = 0;
-      if (deadline.has_value()) {
-        left = std::chrono::duration<double>(*deadline - internal::Clock::now()).count();
-        if (left < 0) left = 0;
+      Timeout wait = std::nullopt;
+      if (until.has_value()) {
+        wait = std::chrono::duration<double>(
+            std::max(internal::Clock::duration::zero(), *until - internal::Clock::now()));
       }
       bool ready = false;
       try {
-        ready = result.poll(std::chrono::duration<double>(left));
+        ready = result.poll(wait);
       } catch (...) {
+        // poll() itself failed (ENOMEM, say): nap, so that a caller that loops on this (a wait
+        // without deadline, the destructor) retries at a bounded rate instead of spinning.
+        auto nap = std::chrono::duration_cast<internal::Clock::duration>(
+            std::chrono::milliseconds(10));
+        if (until.has_value()) {
+          nap = std::min(nap, std::max(internal::Clock::duration::zero(),
+                                       *until - internal::Clock::now()));
+        }
+        std::this_thread::sleep_for(nap);
         return;
       }
       if (!ready) return;
@@ -176,8 +198,11 @@ struct Process::Impl {
         said_hello = true;
       } else if (report.kind == internal::ChildReport::kFailure && report.failure) {
         failure = std::move(report.failure);
+      } else if (report.kind == internal::ChildReport::kExiting && report.exit_code) {
+        reported_exit_code = *report.exit_code;
       } else if (report.kind == internal::ChildReport::kExit && report.wait_status) {
         wait_status = *report.wait_status;
+        status_known = true;
         server_reported_exit = true;
         result.close();
         return;
@@ -185,87 +210,124 @@ struct Process::Impl {
     }
   }
 
-  // Waits for the exit until `deadline`; returns whether the process exited.
+  // The process has exited: reads its last reports and settles what is known of its status.
+  void RecordExit(const internal::ReapResult& r) {
+    state = State::kExited;
+    status_known = r.status_known;
+    wait_status = r.wait_status;
+    ReadReports(internal::Clock::now() + std::chrono::milliseconds(100));
+    if (!status_known && reported_exit_code.has_value()) {
+      // Someone else took the kernel's status: the child's own report is the next best thing.
+      wait_status = (*reported_exit_code & 0xff) << 8;
+      status_known = true;
+    }
+  }
+
+  bool WaitForkServer(internal::Deadline deadline) {
+    // The server reports the exit on the result channel. Read what is there first, then look at
+    // the deadline: a deadline in the past (is_alive, join(0)) must still see an exit that was
+    // reported. Each read sleeps in poll() (until the deadline, or for as long as it takes), so
+    // this loop never spins.
+    for (;;) {
+      ReadReports(deadline);
+      if (server_reported_exit || result.closed()) break;
+      if (deadline.has_value() && internal::Clock::now() >= *deadline) return false;
+    }
+    state = State::kExited;
+    if (!server_reported_exit) {
+      // The server died (killed) before reporting, and the child has closed its end of the
+      // channel too: it has exited, with a status nobody can read now (it was not our child).
+      // Its own report says how it ended if it got that far; otherwise the status is unknown,
+      // exactly as under fork and spawn (exitcode() throws, naming the cause). Reap the server
+      // so that the next request starts a new one.
+      status_known = reported_exit_code.has_value();
+      wait_status = reported_exit_code ? (*reported_exit_code & 0xff) << 8 : 0;
+      internal::ForkServerReapIfDead();
+    }
+    return true;
+  }
+
+  // Waits for the exit until `deadline`; returns whether the process exited. Sleeps in poll() on
+  // the pidfd (or in short, growing naps where there is none): never spins.
   bool Wait(internal::Deadline deadline) {
     if (state == State::kExited) return true;
-    if (method == "forkserver") {
-      ReadReports(deadline);
-      while (!server_reported_exit && !result.closed()) {
-        if (deadline.has_value() && internal::Clock::now() >= *deadline) return false;
-        ReadReports(deadline);
-      }
-      if (!server_reported_exit) {
-        // The server died (killed) before reporting, and the child has closed its end of the
-        // channel too: it has exited, with a status nobody can read now (it was not our child).
-        // Record it as killed, and reap the server so that the next request starts a new one.
-        wait_status = SIGKILL;  // WIFSIGNALED encoding: the low 7 bits hold the signal
-        internal::ForkServerReapIfDead();
-      }
-      state = State::kExited;
-      return true;
-    }
-    auto sleep = std::chrono::microseconds(50);
+    if (method == "forkserver") return WaitForkServer(deadline);
+    auto nap = std::chrono::microseconds(50);
+    bool woke = false;
     for (;;) {
-      int status = 0;
-      const pid_t r = waitpid(pid, &status, WNOHANG);
-      if (r == pid) {
-        wait_status = status;
-        break;
+      internal::ReapResult r;
+      if (gone_at_start) {
+        r.state = internal::ReapResult::kReapedElsewhere;
+      } else {
+        r = internal::ReapChild(pid, pidfd.get());
       }
-      if (r < 0 && errno != EINTR) {
-        runtime::ThrowSystemError(absl::StrCat("waitpid(", pid, ")"), errno);
+      if (r.state != internal::ReapResult::kRunning) {
+        RecordExit(r);
+        return true;
       }
       const auto now = internal::Clock::now();
       if (deadline.has_value() && now >= *deadline) return false;
-      if (pidfd) {
+      if (pidfd && !woke) {
         int ms = -1;
         if (deadline.has_value()) {
-          ms = static_cast<int>(
-              std::chrono::ceil<std::chrono::milliseconds>(*deadline - now).count());
+          ms = static_cast<int>(std::min<int64_t>(
+              std::chrono::ceil<std::chrono::milliseconds>(*deadline - now).count(),
+              24 * 3600 * 1000));
         }
         pollfd p{pidfd.get(), POLLIN, 0};
-        ::poll(&p, 1, ms);
+        // Readable once it exited; it may take the kernel a moment more to make it reapable
+        // (or to release it, when SIGCHLD is ignored): then naps below, not a spin.
+        woke = ::poll(&p, 1, ms) > 0;
       } else {
-        std::this_thread::sleep_for(sleep);
-        if (sleep < std::chrono::milliseconds(5)) sleep *= 2;
+        auto d = std::chrono::duration_cast<internal::Clock::duration>(nap);
+        if (deadline.has_value()) d = std::min(d, *deadline - now);
+        std::this_thread::sleep_for(d);
+        if (nap < std::chrono::milliseconds(5)) nap *= 2;
       }
     }
-    state = State::kExited;
-    ReadReports(internal::Clock::now() + std::chrono::milliseconds(100));
-    return true;
+  }
+
+  std::string UnknownStatusMessage() const {
+    if (method == "forkserver") {
+      return absl::StrCat(
+          "process \"", options.name, "\" (pid ", pid,
+          ") has exited, but its exit status is lost: the fork server that started it died "
+          "(killed, or out of memory) before it could report the status, and the process ended "
+          "without reporting one (a signal killed it, or it called _exit()). A new fork server "
+          "starts with the next process; keep the fork server alive to get every status");
+    }
+    return absl::StrCat(
+        "process \"", options.name, "\" (pid ", pid,
+        ") has exited, but its exit status is lost: another part of this program reaped it "
+        "first (SIGCHLD is ignored, or a SIGCHLD handler calls wait() or waitpid(-1, ...)), "
+        "this kernel keeps no exit status for pidfds (Linux 6.15 or newer does), and the "
+        "process ended without reporting one (a signal killed it, or it called _exit()). Leave "
+        "SIGCHLD at its default, or reap only the pids your own code started, to get every "
+        "status");
   }
 
   void Signal(int sig) {
     if (state != State::kStarted) return;
     CheckOwner("terminate/kill");
     if (method == "forkserver") {
-      ReadReports(std::nullopt);
+      ReadReports(internal::Clock::now());
       if (server_reported_exit) return;  // its pid may already be someone else's
-    } else {
-      int status = 0;
-      const pid_t r = waitpid(pid, &status, WNOHANG);
-      if (r == pid) {  // already gone: reap, do not signal a pid that may be reused
-        wait_status = status;
-        state = State::kExited;
-        ReadReports(std::nullopt);
-        return;
-      }
+      ::kill(pid, sig);
+      return;
     }
-    ::kill(pid, sig);
+    // Already gone: settle it, and never signal a pid that may be reused.
+    if (Wait(internal::Clock::now())) return;
+    internal::SignalChild(pid, pidfd.get(), sig);
   }
 
   void StartFork() {
     if (before_fork) before_fork();
+    internal::RegisterExitReport();  // here, in the parent: never in the child (see child.h)
     auto [parent_end, child_end] = Pipe(true);
     FileDescriptor lifeline = internal::LifelineReadEnd();
     std::fflush(nullptr);
     const pid_t p = fork();
-    if (p < 0) {
-      const int err = errno;
-      throw Error(err == EAGAIN || err == ENOMEM ? ErrorCode::kResourceExhausted
-                                                 : ErrorCode::kInternal,
-                  absl::StrCat("fork failed: ", strerror(err)));
-    }
+    if (p < 0) internal::ThrowCannotStartProcess("fork()", errno);
     if (p == 0) {
       parent_end.close();
       internal::WatchLifeline(std::move(lifeline));
@@ -301,11 +363,31 @@ struct Process::Impl {
     FileDescriptor lifeline = internal::LifelineReadEnd();
     auto [parent_end, child_end] = Pipe(true);
     if (method == "spawn") {
-      pid = internal::SpawnExecutable(internal::kChildFlag, child_end.fileno(), -1);
+      // Everything that can run out of descriptors happens before the child exists.
+      Message request =
+          internal::EncodeRunRequest(entry, options.name, std::move(args), -1, lifeline.get());
+      const pid_t child = internal::SpawnExecutable(internal::kChildFlag, child_end.fileno(), -1);
       child_end.close();
+      try {
+        parent_end.SendMessage(request);
+      } catch (...) {
+        // It would wait for its request in vain: end it and reap it. Through its pidfd where
+        // there is one (never a recycled pid); a child someone else reaped is not signalled.
+        const long fd = syscall(SYS_pidfd_open, child, 0);
+        FileDescriptor child_fd(fd >= 0 ? static_cast<int>(fd) : -1);
+        try {
+          if (internal::ReapChild(child, child_fd.get()).state ==
+              internal::ReapResult::kRunning) {
+            internal::SignalChild(child, child_fd.get(), SIGKILL);
+            internal::ReapUntilGone(child, child_fd.get());
+          }
+        } catch (const Error&) {
+          // Not ours to wait for after all; the request's error is the one to report.
+        }
+        throw;
+      }
+      pid = child;
       result = parent_end;
-      result.SendMessage(
-          internal::EncodeRunRequest(entry, options.name, std::move(args), -1, lifeline.get()));
     } else {
       pid = internal::ForkServerRun(internal::EncodeRunRequest(
           entry, options.name, std::move(args), child_end.fileno(), lifeline.get()));
@@ -351,9 +433,7 @@ Process::~Process() {
 
 void Process::start() {
   Impl& p = *impl_;
-  if (p.state == Impl::State::kClosed) {
-    throw Error(ErrorCode::kClosed, absl::StrCat("process \"", p.options.name, "\" is closed"));
-  }
+  p.CheckNotClosed("Process::start");
   if (p.state != Impl::State::kNew) {
     throw Error(ErrorCode::kFailedPrecondition,
                 absl::StrCat("process \"", p.options.name, "\" was already started (pid ", p.pid,
@@ -361,10 +441,22 @@ void Process::start() {
   }
   p.method = p.options.start_method.empty() ? get_start_method() : p.options.start_method;
   CheckMethod(p.method);
-  if (p.method == "fork") {
-    p.StartFork();
-  } else {
-    p.StartSpawn();
+  try {
+    if (p.method == "fork") {
+      p.StartFork();
+    } else {
+      p.StartSpawn();
+    }
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kResourceExhausted) throw;
+    // Name the process and the limit (a Pipe or a dup that ran out says only "ulimit -n").
+    const bool names_limit = e.message().find("RLIMIT_") != std::string::npos;
+    const bool descriptors = e.message().find("descriptor") != std::string::npos;
+    throw Error(ErrorCode::kResourceExhausted,
+                absl::StrCat("process \"", p.options.name, "\" could not start: ", e.message(),
+                             !names_limit && descriptors
+                                 ? absl::StrCat("; ", internal::DescriptorLimitNote())
+                                 : ""));
   }
   p.owner = getpid();
   p.state = Impl::State::kStarted;
@@ -373,19 +465,22 @@ void Process::start() {
     if (fd >= 0) {
       fcntl(static_cast<int>(fd), F_SETFD, FD_CLOEXEC);
       p.pidfd.reset(static_cast<int>(fd));
+    } else if (errno == ESRCH) {
+      // Already exited and reaped by someone else (SIGCHLD ignored, or a handler that reaps
+      // every child): its pid must not be waited for or signalled again.
+      p.gone_at_start = true;
     }
+    // Other failures (no pidfds on this kernel, out of descriptors): wait by pid.
   }
 }
 
 bool Process::join(Timeout timeout) {
   Impl& p = *impl_;
   const internal::Deadline deadline = internal::DeadlineAfter(timeout, "Process::join");
+  p.CheckNotClosed("Process::join");
   if (p.state == Impl::State::kNew) {
     throw Error(ErrorCode::kFailedPrecondition,
                 absl::StrCat("process \"", p.options.name, "\" cannot be joined before start()"));
-  }
-  if (p.state == Impl::State::kClosed) {
-    throw Error(ErrorCode::kClosed, absl::StrCat("process \"", p.options.name, "\" is closed"));
   }
   p.CheckOwner("Process::join");
   return p.Wait(deadline);
@@ -393,6 +488,7 @@ bool Process::join(Timeout timeout) {
 
 bool Process::is_alive() {
   Impl& p = *impl_;
+  p.CheckNotClosed("Process::is_alive");
   if (p.state != Impl::State::kStarted) return false;
   p.CheckOwner("Process::is_alive");
   return !p.Wait(internal::Clock::now());
@@ -402,14 +498,22 @@ pid_t Process::pid() const { return impl_->pid; }
 
 std::optional<int> Process::exitcode() {
   Impl& p = *impl_;
+  p.CheckNotClosed("Process::exitcode");
   if (p.state == Impl::State::kStarted && p.owner == getpid()) p.Wait(internal::Clock::now());
   if (p.state != Impl::State::kExited) return std::nullopt;
+  if (!p.status_known) throw Error(ErrorCode::kFailedPrecondition, p.UnknownStatusMessage());
   if (WIFSIGNALED(p.wait_status)) return -WTERMSIG(p.wait_status);
   return WEXITSTATUS(p.wait_status);
 }
 
-void Process::terminate() { impl_->Signal(SIGTERM); }
-void Process::kill() { impl_->Signal(SIGKILL); }
+void Process::terminate() {
+  impl_->CheckNotClosed("Process::terminate");
+  impl_->Signal(SIGTERM);
+}
+void Process::kill() {
+  impl_->CheckNotClosed("Process::kill");
+  impl_->Signal(SIGKILL);
+}
 
 void Process::close() {
   Impl& p = *impl_;
@@ -447,9 +551,11 @@ std::string Process::start_method() const {
 }
 
 std::optional<ChildFailure> Process::failure() {
-  exitcode();  // reaps and reads the reports if it has exited
-  if (!impl_->failure && impl_->state == Impl::State::kExited && !impl_->said_hello &&
-      impl_->method == "spawn" && WIFEXITED(impl_->wait_status)) {
+  Impl& p = *impl_;
+  // Reaps and reads the reports if it has exited (after close(): what was recorded).
+  if (p.state == Impl::State::kStarted && p.owner == getpid()) p.Wait(internal::Clock::now());
+  if (!p.failure && p.state == Impl::State::kExited && !p.said_hello && p.method == "spawn" &&
+      p.status_known && WIFEXITED(p.wait_status)) {
     return ChildFailure{"forksafe::mp::SpawnError",
                         "the spawned child never reached forksafe::mp::InitMain(); call it first "
                         "thing in main() of programs that use the spawn or forkserver start "

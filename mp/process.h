@@ -25,6 +25,31 @@
 //     a "lifeline" pipe whose only writer is the parent, and kills itself on end-of-file, within
 //     milliseconds. Children are always reaped: no zombies stay behind a joined or destroyed
 //     Process.
+//   - The library is a guest in your program: it does not own the program's signal dispositions,
+//     descriptor table or resource limits, and works with whatever they are:
+//     * SIGCHLD ignored, or a SIGCHLD handler that reaps every child (waitpid(-1, ...)): join(),
+//       is_alive(), terminate() and the destructor still work. A child is waited for through its
+//       pidfd (never a recycled pid); when someone else took its exit status, exitcode() comes
+//       from the kernel's exit information of the pidfd (Linux 6.15+), else from the child's own
+//       report (a normal return, an exception, exit(n)); a child that left neither (killed by a
+//       signal, or _exit(), on an older kernel) makes exitcode() throw Error(kFailedPrecondition)
+//       naming the cause. The fork server sets SIGCHLD to its default for itself and its
+//       children (as Python's forkserver does) and reports every status; fork and spawn
+//       children inherit yours. Under forkserver, too, a status is never invented: when the
+//       fork server was killed before it could report one, exitcode() throws the same way.
+//     * Under every start method an exit is seen by any look, also one with no wait at all:
+//       is_alive() turns false, exitcode() is set, join(0) is true, and close() works without
+//       a join, as soon as the process has exited.
+//     * A child may close every descriptor from 3 up (daemons and exec wrappers do): its lifeline
+//       watcher holds the lifeline in a private descriptor table, so the child is neither killed
+//       for it nor cut loose from its parent. Where unshare() is refused, the watcher falls back
+//       to noticing its parent's death by getppid() (within 50 ms). After exec() no watcher runs.
+//     * Out of descriptors (RLIMIT_NOFILE) or processes (RLIMIT_NPROC, EAGAIN from fork):
+//       start() throws Error(kResourceExhausted) naming the process, the limit and its value, and
+//       leaves nothing behind. This holds in the fork server too (it keeps the limit it started
+//       with): a request whose descriptors do not fit there is refused, and the server serves on.
+//   - Every wait blocks in poll() (on the pidfd, or the report channel under forkserver) or
+//     sleeps in short naps where there is no pidfd; none spins, the destructor included.
 //   - If the target throws, the child reports the exception's type, message and the stack trace
 //     at the throw point to the parent (failure()), and exits with code 1.
 //   - A Process belongs to the process that started it: in a forked child, the inherited copy
@@ -133,23 +158,29 @@ class Process {
   Process(const Process&) = delete;
   Process& operator=(const Process&) = delete;
 
-  /// Starts the process. Throws kFailedPrecondition if already started or closed,
-  /// kInvalidArgument for an unknown start method, kNotFound for an unregistered target under
-  /// spawn/forkserver.
+  /// Starts the process. Throws kFailedPrecondition if already started, kClosed after close()
+  /// (as Python raises ValueError "process object is closed"), kInvalidArgument for an unknown
+  /// start method, kNotFound for an unregistered target under spawn/forkserver,
+  /// kResourceExhausted when descriptors or processes ran out (naming the limit).
   void start();
   /// Waits until the process exits or `timeout` passes; returns whether it exited.
+  /// kFailedPrecondition before start(), kClosed after close().
   bool join(Timeout timeout = std::nullopt);
-  /// True between start() and the process's exit.
+  /// True between start() and the process's exit. kClosed after close().
   bool is_alive();
   /// The child's pid (0 before start).
   pid_t pid() const;
   /// Exit code once exited (negative signal number if killed by a signal); nullopt before.
+  /// kClosed after close(); kFailedPrecondition when the program took the status and nothing
+  /// else knows it (see "guest" in the file comment).
   std::optional<int> exitcode();
-  /// Sends SIGTERM (no-op once exited).
+  /// Sends SIGTERM (no-op once exited). kClosed after close().
   void terminate();
-  /// Sends SIGKILL (no-op once exited).
+  /// Sends SIGKILL (no-op once exited). kClosed after close().
   void kill();
-  /// Releases resources; throws kFailedPrecondition while the process still runs.
+  /// Releases resources; throws kFailedPrecondition while the process still runs. Closing twice
+  /// is fine. Afterwards start, join, is_alive, exitcode, terminate and kill throw kClosed;
+  /// pid(), name(), daemon(), start_method() and failure() still answer.
   void close();
 
   const std::string& name() const;

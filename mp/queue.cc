@@ -4,9 +4,11 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -18,6 +20,7 @@
 #include "mp/internal/scm_rights.h"
 #include "mp/internal/shared_segment.h"
 #include "mp/internal/shm_sync.h"
+#include "runtime/internal/memory_bounds.h"
 
 namespace forksafe::mp {
 
@@ -25,6 +28,23 @@ using runtime::Error;
 using runtime::ErrorCode;
 
 namespace internal {
+
+// Descriptor batches (the side socket). Each batch is one sendmsg: an 8-byte sequence tag with
+// the descriptors attached. The kernel charges every batch in flight to the socket's buffer
+// (about 768 bytes each, so a default buffer held ~278), whatever its size: a batch per message
+// stalled puts long before the ring or the descriptor limit was reached. So a message whose
+// descriptors are the same open files as the newest batch's (same file and access mode, as the
+// codec tells descriptors apart; consecutive tensors from one arena
+// segment: the common case) shares that batch instead of sending one: readers peek at it
+// (MSG_PEEK installs the descriptors without consuming them) and the last of its messages to be
+// got consumes it. Only descriptors that a message borrows from their owner (forksafe's shared
+// segments) and that are regular files are shared; anything else (a Connection, a spilled item)
+// gets a batch of its own. At most kMaxBatches batches are in flight, and the socket's buffer is
+// raised to hold them where the system allows; a put beyond either limit waits for readers and,
+// past its timeout, says why (Full).
+constexpr int kBatchKeys = 4;       // a batch shared by later messages has at most this many fds
+constexpr int kMaxBatches = 4096;   // batches in flight at once
+constexpr int kKeyWords = 3;        // a descriptor's key: (dev, inode, access mode)
 
 // The shared header at the start of a queue's segment; the ring follows it.
 struct QueueShared {
@@ -39,12 +59,18 @@ struct QueueShared {
                         // spin reads it without the lock)
   int64_t maxsize;      // <= 0: unbounded
   int64_t unfinished;   // JoinableQueue
-  uint64_t next_seq;    // sequence number of the next message that carries descriptors
+  uint64_t next_seq;    // sequence number of the next descriptor batch
   uint64_t taken_seq;   // highest sequence whose descriptors a reader has taken off the socket
   uint64_t magic;
+  // Descriptor batches shared by consecutive messages (see "Descriptor batches" below).
+  uint64_t last_batch;       // sequence of the newest batch sent
+  uint32_t last_batch_keys;  // how many (dev, inode, access mode) keys it has; 0: not shareable
+  uint32_t unused;
+  uint64_t last_keys[kKeyWords * kBatchKeys];
+  uint32_t batch_users[kMaxBatches];  // by sequence % kMaxBatches: committed messages not yet got
 };
 
-constexpr uint64_t kQueueMagic = 0x6673717565756532ull;  // "fsqueue2"
+constexpr uint64_t kQueueMagic = 0x6673717565756534ull;  // "fsqueue4"
 
 }  // namespace internal
 
@@ -57,6 +83,7 @@ struct Queue::State {
   // The ring's size, from this process's own mapping: never re-read from shared memory, which
   // another process could overwrite.
   uint64_t cap = 0;
+  uint64_t carrier = 0;  // the queue's identity: its segment's inode (mp/internal/shm_manager.h)
   std::mutex close_mu;
   bool closed = false;
 
@@ -66,7 +93,16 @@ struct Queue::State {
 
 namespace {
 
-size_t RoundUp8(size_t n) { return (n + 7) & ~size_t{7}; }
+// The queue's identity as a carrier of in-flight references: its segment's inode, which every
+// process holding the queue maps or has a descriptor of (mp/internal/shm_manager.h, ScanProc).
+uint64_t CarrierOf(int seg_fd) {
+  struct stat st;
+  return fstat(seg_fd, &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+// The bounds of QueueOptions::ring_bytes (mp/queue.h).
+constexpr size_t kMinRingBytes = 4096;
+constexpr size_t kMaxRingBytes = size_t{4} << 30;
 
 // Sends `fds` tagged with `seq` on the side socket without blocking. Returns false on EAGAIN.
 bool SendFds(int sock, uint64_t seq, const std::vector<int>& fds) {
@@ -80,14 +116,17 @@ bool SendFds(int sock, uint64_t seq, const std::vector<int>& fds) {
     const ssize_t n = sendmsg(sock, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (n == sizeof(seq)) return true;
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ETOOMANYREFS)) {
+      return false;  // ETOOMANYREFS: more descriptors in flight than RLIMIT_NOFILE allows
+    }
     runtime::ThrowSystemError("queue: sending descriptors", n < 0 ? errno : EIO);
   }
 }
 
 // Receives the descriptor batch tagged `seq`, discarding older batches (left by a producer that
-// died between sending descriptors and committing its message).
-std::vector<FileDescriptor> RecvFds(int sock, uint64_t seq) {
+// died between sending descriptors and committing its message). With `peek`, the batch stays on
+// the socket for the other messages that share it (its descriptors are installed all the same).
+std::vector<FileDescriptor> RecvFds(int sock, uint64_t seq, bool peek) {
   for (;;) {
     uint64_t got = 0;
     iovec iov{&got, sizeof(got)};
@@ -99,7 +138,7 @@ std::vector<FileDescriptor> RecvFds(int sock, uint64_t seq) {
     mh.msg_controllen = sizeof(cbuf);
     // The batch was sent before its message was committed, so it is normally there already:
     // try without waiting first, and wait (bounded) only if it is not.
-    ssize_t n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    ssize_t n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT | (peek ? MSG_PEEK : 0));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       pollfd p{sock, POLLIN, 0};
@@ -109,7 +148,7 @@ std::vector<FileDescriptor> RecvFds(int sock, uint64_t seq) {
       }
       continue;
     }
-    if (n > 0 && n < static_cast<ssize_t>(sizeof(got))) {
+    if (n > 0 && n < static_cast<ssize_t>(sizeof(got)) && !peek) {
       // The tag arrived in pieces (never seen with 8 bytes, but stream sockets allow it).
       if (recv(sock, reinterpret_cast<char*>(&got) + n, sizeof(got) - n, MSG_WAITALL) !=
           static_cast<ssize_t>(sizeof(got) - n)) {
@@ -124,8 +163,58 @@ std::vector<FileDescriptor> RecvFds(int sock, uint64_t seq) {
     std::vector<FileDescriptor> fds;
     internal::CollectDescriptors(mh, &fds);
     if (internal::ClassifyBatch(got, seq) == internal::BatchAction::kTake) return fds;
-    // An orphaned batch (got < seq): close it and read on.
+    // An orphaned batch (got < seq): close it and read on (consuming it, if it was a peek).
+    if (peek) {
+      fds.clear();
+      RecvFds(sock, got, false);
+    }
   }
+}
+
+// The identities of a message's descriptors for sharing a batch (see "Descriptor batches"):
+// (dev, inode, access mode) of each, as the codec tells descriptors apart (mp/codec.cc,
+// AddDescriptor: a read-only and a read-write descriptor of one file are different
+// descriptors), or an empty list when the message cannot share one.
+std::vector<uint64_t> BatchKeys(const std::vector<FileDescriptor>& fds) {
+  std::vector<uint64_t> keys;
+  if (fds.empty() || fds.size() > static_cast<size_t>(internal::kBatchKeys)) return keys;
+  for (const FileDescriptor& f : fds) {
+    struct stat st;
+    if (f.owned() || fstat(f.get(), &st) != 0 || !S_ISREG(st.st_mode)) return {};
+    const int fl = fcntl(f.get(), F_GETFL);
+    if (fl < 0) return {};
+    keys.push_back(static_cast<uint64_t>(st.st_dev));
+    keys.push_back(static_cast<uint64_t>(st.st_ino));
+    keys.push_back(static_cast<uint64_t>(fl & O_ACCMODE));
+  }
+  return keys;
+}
+
+bool SameBatch(const internal::QueueShared* h, const std::vector<uint64_t>& keys) {
+  return !keys.empty() && h->last_batch_keys * internal::kKeyWords == keys.size() &&
+         std::equal(keys.begin(), keys.end(), h->last_keys);
+}
+
+std::string DescriptorsStuck(uint64_t in_flight) {
+  return absl::StrCat(
+      "too many messages with descriptors in flight: ", in_flight,
+      " descriptor batches wait on the queue's side socket (its limit is ", internal::kMaxBatches,
+      " batches, the socket's buffer (net.core.wmem_max) and, for processes without "
+      "CAP_SYS_RESOURCE, RLIMIT_NOFILE descriptors in flight). get() messages to make room; "
+      "consecutive tensors from one shared segment share one batch, so put tensors carved from "
+      "the arena (the cache on) rather than tensors with segments of their own");
+}
+
+// Why a put found no room: the limit hit (maxsize, or the ring's bytes), and what to do.
+std::string FullBecause(bool room_by_count, int64_t count, int64_t maxsize, uint64_t cap,
+                        uint64_t used, size_t need) {
+  if (!room_by_count) {
+    return absl::StrCat("the queue holds maxsize = ", maxsize, " messages (", count,
+                        " queued); get() some, or make the queue with a larger maxsize");
+  }
+  return absl::StrCat("the ring is full by bytes: ", used, " of its ", cap,
+                      " bytes are taken and this message needs ", need,
+                      "; get() some, or make the queue with a larger QueueOptions::ring_bytes");
 }
 
 FileDescriptor SpillToMemfd(const std::string& bytes) {
@@ -159,15 +248,17 @@ FileDescriptor SpillToMemfd(const std::string& bytes) {
 // byte, so a ring between the getter's unlock and its poll is not lost. A woken getter drains
 // every byte; if messages remain and other getters sleep, the getter that took one rings again
 // (passing the baton), so draining never strands a sleeper.
-void RingBell(int bell_w) {
+//
+// Never throws: it runs after a put committed its message, and a put that throws after its commit
+// would give back the references of a message that is still queued. The pipe's both ends are this
+// process's, so a write fails only with EAGAIN (the pipe is full of unconsumed rings: sleepers
+// wake anyway) or EINTR.
+void RingBell(int bell_w) noexcept {
   const char b = 1;
   for (;;) {
     const ssize_t n = ::write(bell_w, &b, 1);
-    if (n == 1) return;
     if (n < 0 && errno == EINTR) continue;
-    // EAGAIN: the pipe is full of unconsumed rings, so sleepers wake anyway.
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-    runtime::ThrowSystemError("queue: ringing the doorbell", n < 0 ? errno : EIO);
+    return;
   }
 }
 
@@ -238,11 +329,18 @@ class QueueLock {
 Queue::Queue(int64_t maxsize) : Queue(QueueOptions{maxsize, QueueOptions{}.ring_bytes}) {}
 
 Queue::Queue(const QueueOptions& options) : state_(std::make_shared<State>()) {
-  if (options.ring_bytes < 4096) {
+  // Validation (docs/reliability.md, "Bad input"): the ring's size is bounded before any
+  // arithmetic on it, and checked against what the system can give before it is created.
+  if (options.ring_bytes < kMinRingBytes || options.ring_bytes > kMaxRingBytes) {
     throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("QueueOptions::ring_bytes must be >= 4096, got ", options.ring_bytes));
+                absl::StrCat("QueueOptions::ring_bytes must be in [", kMinRingBytes, ", ",
+                             kMaxRingBytes, "] (4 KiB to 4 GiB), got ", options.ring_bytes,
+                             "; items over a quarter of the ring travel out of band anyway"));
   }
-  const size_t ring = RoundUp8(options.ring_bytes);
+  const size_t ring = runtime::internal::RoundUpOrThrow(options.ring_bytes, 8, "Queue");
+  runtime::internal::CheckMemoryAvailable(sizeof(internal::QueueShared) + ring,
+                                          runtime::internal::MemoryUse::kShared,
+                                          "Queue: a ring of QueueOptions::ring_bytes");
   state_->seg = internal::SharedSegment::Create(sizeof(internal::QueueShared) + ring, "queue");
   internal::QueueShared* h = state_->hdr();
   h->mu.Init();
@@ -254,6 +352,8 @@ Queue::Queue(const QueueOptions& options) : state_(std::make_shared<State>()) {
   h->maxsize = options.maxsize;
   h->next_seq = 1;
   h->taken_seq = 0;
+  h->last_batch = 0;
+  h->last_batch_keys = 0;
   h->magic = internal::kQueueMagic;
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
@@ -261,6 +361,13 @@ Queue::Queue(const QueueOptions& options) : state_(std::make_shared<State>()) {
   }
   state_->fd_w.reset(sv[0]);
   state_->fd_r.reset(sv[1]);
+  // Room for kMaxBatches descriptor batches in flight where the system allows it (beyond
+  // net.core.wmem_max only with CAP_NET_ADMIN); a smaller buffer only makes puts wait sooner.
+  const int sndbuf = internal::kMaxBatches * 1024;
+  if (setsockopt(sv[0], SOL_SOCKET, SO_SNDBUFFORCE, &sndbuf, sizeof(sndbuf)) != 0) {
+    setsockopt(sv[0], SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf));
+  }
+  state_->carrier = CarrierOf(state_->seg.fd());
   int bell[2];
   if (pipe2(bell, O_CLOEXEC | O_NONBLOCK) != 0) runtime::ThrowSystemError("pipe2 for a queue", errno);
   state_->bell_r.reset(bell[0]);
@@ -301,6 +408,7 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
   const size_t need = internal::RecordSpan(msg.bytes.size());
   std::vector<int> fds;
   for (const FileDescriptor& f : msg.fds) fds.push_back(f.get());
+  const std::vector<uint64_t> keys = BatchKeys(msg.fds);
 
   QueueLock lock(h, deadline);
   if (!lock.held()) throw Full("Queue::put: timed out waiting for the queue's lock");
@@ -312,22 +420,52 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
                                  static_cast<uint32_t>(fds.size()) | (spilled ? internal::kSpilled : 0u),
                                  0};
       if (!fds.empty()) {
-        rec.seq = h->next_seq;
-        if (!SendFds(s.fd_w.get(), rec.seq, fds)) {
-          // The side socket is full: let readers drain it, then try again.
-          h->not_full.Wait(h->mu, internal::Clock::now() + std::chrono::milliseconds(2));
-          if (deadline.has_value() && internal::Clock::now() >= *deadline) {
-            throw Full("Queue::put: timed out: too many messages with descriptors in flight");
+        uint32_t& users = h->batch_users[h->last_batch % internal::kMaxBatches];
+        if (h->last_batch + 1 == h->next_seq && h->last_batch > h->taken_seq &&
+            SameBatch(h, keys)) {
+          rec.seq = h->last_batch;  // the newest batch has these very files: share it
+          ++users;
+        } else {
+          const uint64_t in_flight = h->next_seq - 1 - h->taken_seq;
+          // The tag is reserved before the batch is sent: a putter that dies between the two
+          // leaves a skipped tag (readers pass over it), never a batch under a tag that the next
+          // put would send again.
+          const uint64_t seq = h->next_seq;
+          bool sent = false;
+          if (in_flight < static_cast<uint64_t>(internal::kMaxBatches)) {
+            h->next_seq = seq + 1;
+            sent = SendFds(s.fd_w.get(), seq, fds);
+            if (!sent) h->next_seq = seq;  // nothing went out: the tag is free again
           }
-          continue;
+          if (!sent) {
+            // No room for another batch: let readers drain some, then try again.
+            if (deadline.has_value() && internal::Clock::now() >= *deadline) {
+              throw Full(absl::StrCat(block ? "Queue::put: timed out: " : "Queue::put_nowait: ",
+                                      DescriptorsStuck(in_flight)));
+            }
+            auto until = internal::Clock::now() + std::chrono::milliseconds(2);
+            if (deadline.has_value() && *deadline < until) until = *deadline;
+            h->not_full.Wait(h->mu, until);
+            continue;
+          }
+          rec.seq = seq;
+          h->last_batch = rec.seq;
+          h->last_batch_keys = static_cast<uint32_t>(keys.size() / internal::kKeyWords);
+          std::copy(keys.begin(), keys.end(), h->last_keys);
+          h->batch_users[rec.seq % internal::kMaxBatches] = 1;
         }
-        ++h->next_seq;
       }
       internal::WriteRing(s.ring(), cap, h->head, &rec, sizeof(rec));
       internal::WriteRing(s.ring(), cap, h->head + sizeof(rec), msg.bytes.data(), msg.bytes.size());
       h->head += need;  // commit
       __atomic_add_fetch(&h->count, 1, __ATOMIC_RELEASE);
       ++h->unfinished;
+      // The message is in the queue: its in-flight references are the queue's from this point
+      // (mp/queue.h). Nothing below throws.
+      if (internal::InFlightScope* scope = internal::InFlightScope::Current();
+          scope != nullptr && scope->carrier() == s.carrier) {
+        scope->Commit();
+      }
       const bool ring = __atomic_load_n(&h->get_sleepers, __ATOMIC_ACQUIRE) > 0;
       lock.Release();
       if (ring) RingBell(s.bell_w.get());  // after unlocking: the woken getter locks at once
@@ -337,8 +475,10 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
       throw Error(ErrorCode::kInvalidArgument, "Queue::put: message larger than the ring");
     }
     if (deadline.has_value() && internal::Clock::now() >= *deadline) {
-      throw Full(block ? absl::StrCat("Queue::put: still full after ", timeout->count(), " s")
-                       : std::string("Queue::put_nowait: the queue is full"));
+      throw Full(absl::StrCat(
+          block ? absl::StrCat("Queue::put: still full after ", timeout->count(), " s: ")
+                : std::string("Queue::put_nowait: "),
+          FullBecause(room_by_count, h->count, h->maxsize, cap, h->head - h->tail, need)));
     }
     h->not_full.Wait(h->mu, deadline);
   }
@@ -375,8 +515,12 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
   Message msg;
   msg.bytes = internal::ReadQueuePayload(s.ring(), cap, h->tail, rec);
   if (rec.nfds > 0) {
-    msg.fds = RecvFds(s.fd_r.get(), rec.seq);
-    h->taken_seq = rec.seq;
+    // The last message of a shared batch consumes it; the others peek at it.
+    uint32_t& users = h->batch_users[rec.seq % internal::kMaxBatches];
+    const bool last = users <= 1;
+    msg.fds = RecvFds(s.fd_r.get(), rec.seq, !last);
+    if (last) h->taken_seq = rec.seq;
+    if (users > 0) --users;
   }
   h->tail += rec.span;  // commit
   __atomic_sub_fetch(&h->count, 1, __ATOMIC_RELEASE);
@@ -391,6 +535,8 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
   }
   return msg;
 }
+
+uint64_t Queue::CarrierId() const { return Live("Queue::put").carrier; }
 
 int64_t Queue::qsize() const {
   State& s = Live("Queue::qsize");
@@ -459,6 +605,7 @@ std::shared_ptr<void> LoadQueue(FileDescriptor seg, FileDescriptor fd_w, FileDes
     throw Error(ErrorCode::kInvalidArgument, "malformed message: not a forksafe queue segment");
   }
   s->cap = s->seg.size() - sizeof(QueueShared);
+  s->carrier = CarrierOf(s->seg.fd());
   s->fd_w = std::move(fd_w);
   s->fd_r = std::move(fd_r);
   if (!bell_r || !bell_w) {

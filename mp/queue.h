@@ -13,15 +13,33 @@
 //   reply on another CPU finds it awake: waking an idle vCPU is what made cross-CPU round trips
 //   slow, see docs/performance.md), then sleeps on a doorbell pipe that a put rings only when a
 //   getter sleeps; putters waiting for room sleep on a futex. Descriptors travel on a side
-//   socket, tagged with the sequence number of their message. Messages larger than a quarter of the ring go out of band, in an
-//   anonymous memory file passed as a descriptor, so no message is too big and big messages never
-//   wait for ring space.
+//   socket, tagged with a sequence number reserved (under the lock) before they are sent.
+//   Messages larger than a quarter of the ring go out of band, in an anonymous memory file
+//   passed as a descriptor, so no message is too big and big messages never wait for ring space.
 //
 // Guarantees (and the seeds' caveats that do not apply here)
 //   - put() returns once the message is in shared memory: there is no feeder thread, so no data is
 //     lost when the putting process exits or is killed right after put() returns, and a process
 //     that put items exits at once (Python's "joining processes that use queues" deadlock and the
 //     need for cancel_join_thread do not exist here).
+//   - That includes the memory a message refers to, with both sharing strategies (mp/sharing.h):
+//     a tensor in the queue is a reference held by the queue. Its segment stays while the
+//     message is unread and any process holds the queue, even after every process that had the
+//     tensor exited (file_system: the /dev/shm name stays; file_descriptor: the descriptor
+//     travels with the message). Once the message is got, the receiver's tensor is the
+//     reference; a segment of its own (a tensor over 16 MiB, or the cache off) is unlinked by
+//     whichever process drops the last reference. A message never read dies with the queue: when
+//     no process holds the queue any more, what only it referenced is freed (file_descriptor: the
+//     descriptor closes with the queue; file_system: by the creator's EmptyCache, or the shm
+//     manager once the creator is gone), leaving nothing in /dev/shm. A put that fails (Full, a
+//     timeout) gives its references back at once; one that committed its message never does:
+//     the references are the queue's from the commit on.
+//   - Descriptors are sent once per run of messages, not per message: consecutive messages
+//     whose descriptors are the same shared segments (tensors from one arena segment) share one
+//     batch on the side socket, so tens of thousands of tensors fit in flight, bounded by the
+//     ring and maxsize. Batches of distinct descriptors are limited (4,096 in flight, fewer where
+//     the socket's buffer or RLIMIT_NOFILE is smaller); past that a put waits for getters and,
+//     at its timeout (at once for put_nowait), throws Full saying so and what to do.
 //   - Putting and getting in the same process works; so does forwarding a received value to
 //     another queue.
 //   - A process killed while holding the queue's lock cannot wedge it: the next process to lock it
@@ -35,7 +53,15 @@
 //     unbounded allocation. One item is at most kMaxItemBytes (1 GiB) encoded.
 //
 // Hazard: an unbounded Queue still has a finite ring (QueueOptions::ring_bytes, 1 MiB default):
-// when it is full of small messages that nobody gets, put() waits for space (or times out).
+// when it is full of small messages that nobody gets, put() waits for space (or times out); so
+// does a put when the descriptor batches in flight reach their limit (see above).
+// Hazard: a reader SIGKILLed between get() and using a tensor's handle leaves that reference in
+// flight: its segment lives until the queue is gone.
+// Hazard: "the queue is gone" is judged from /proc (mp/internal/shm_manager.h): a process holds it
+// while it maps its ring or has a descriptor of it. A queue that exists only in transit (inside a
+// message on a Pipe or in another queue, not received yet, while no process keeps a handle of its
+// own) looks gone, and the file_system segments that only its unread messages reference may be
+// freed. Keep a handle of a queue while sending it to another process.
 #ifndef FORKSAFE_MP_QUEUE_H_
 #define FORKSAFE_MP_QUEUE_H_
 
@@ -68,7 +94,9 @@ class Empty : public runtime::Error {
 struct QueueOptions {
   /// Most messages the queue holds; <= 0 means no limit but the ring's size.
   int64_t maxsize = 0;
-  /// Bytes of the shared ring (>= 4 KiB). Messages over a quarter of it go out of band.
+  /// Bytes of the shared ring, 4 KiB to 4 GiB (else the constructor throws kInvalidArgument;
+  /// more than the memory available now is kResourceExhausted). Messages over a quarter of it go
+  /// out of band.
   size_t ring_bytes = size_t{1} << 20;
 };
 
@@ -88,10 +116,16 @@ class Queue {
   /// Largest encoded item put() accepts and get() reads (as Connection's default limit).
   static constexpr size_t kMaxItemBytes = size_t{1} << 30;
 
-  /// Puts `value`. With block, waits up to `timeout` for room; throws Full when there is none.
+  /// Puts `value`. With block, waits up to `timeout` for room; throws Full when there is none,
+  /// saying which limit was hit (maxsize, the ring's bytes, or the descriptors in flight) and
+  /// what to do.
   template <class T>
   void put(const T& value, bool block = true, Timeout timeout = {}) {
+    // The shared memory `value` refers to is referenced by this queue until the message is got
+    // (or the queue is gone); a put that fails gives those references back.
+    internal::InFlightScope in_flight(CarrierId());
     PutMessage(Encode(value), block, timeout);
+    in_flight.Commit();
   }
   template <class T>
   void put_nowait(const T& value) {
@@ -108,8 +142,12 @@ class Queue {
     return get<T>(false);
   }
 
-  /// The raw forms: a prepared message in, a message out.
+  /// The raw forms: a prepared message in, a message out. Encode a message for PutMessage inside
+  /// an internal::InFlightScope(CarrierId()) for the lifetime rule of put() to hold; PutMessage
+  /// commits that scope when the message is committed (nothing after that point throws).
   void PutMessage(Message msg, bool block = true, Timeout timeout = {});
+  /// The queue's identity as a holder of in-flight references (mp/internal/shared_arena.h).
+  uint64_t CarrierId() const;
   Message GetMessage(bool block = true, Timeout timeout = {});
 
   /// Messages in the queue now (a snapshot).

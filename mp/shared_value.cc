@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/internal/memory_bounds.h"
 
 namespace forksafe::mp::internal {
 namespace {
@@ -18,9 +19,10 @@ using runtime::ErrorCode;
 const char* KindName(BlockKind kind) { return kind == kValueKind ? "Value" : "Array"; }
 
 // Elements start at a multiple of their alignment (and of max_align_t) past the header.
+// elem_align is checked (ValidAlignment) before this runs: the rounding cannot fail.
 size_t DataOffset(size_t elem_align) {
   const size_t align = std::max(elem_align, alignof(std::max_align_t));
-  return (sizeof(SharedBlockHeader) + align - 1) / align * align;
+  return runtime::internal::RoundUpOrThrow(sizeof(ValueBlockHeader), align, "Value/Array");
 }
 
 bool ValidAlignment(size_t align) {
@@ -29,7 +31,7 @@ bool ValidAlignment(size_t align) {
 
 }  // namespace
 
-SharedBlock SharedBlock::Create(BlockKind kind, size_t elem_size, size_t elem_align, size_t count,
+ValueBlock ValueBlock::Create(BlockKind kind, size_t elem_size, size_t elem_align, size_t count,
                                 bool lock) {
   if (!ValidAlignment(elem_align)) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -42,9 +44,15 @@ SharedBlock SharedBlock::Create(BlockKind kind, size_t elem_size, size_t elem_al
                 absl::StrCat(KindName(kind), ": ", count, " elements of ", elem_size,
                              " bytes do not fit in memory; ask for fewer"));
   }
+  // The constructor fills every element at once: refuse what the system cannot give before the
+  // segment exists (1 << 40 doubles used to be touched page by page until the process was killed).
+  const size_t bytes = offset + count * elem_size;
+  runtime::internal::CheckMemoryAvailable(
+      bytes, runtime::internal::MemoryUse::kShared,
+      absl::StrCat(KindName(kind), " of ", count, " elements of ", elem_size, " bytes"));
   auto segment = std::make_shared<SharedSegment>(
-      SharedSegment::Create(offset + count * elem_size, kind == kValueKind ? "value" : "array"));
-  SharedBlockHeader* h = new (segment->data()) SharedBlockHeader();
+      SharedSegment::Create(bytes, kind == kValueKind ? "value" : "array"));
+  ValueBlockHeader* h = new (segment->data()) ValueBlockHeader();
   h->kind = kind;
   h->has_lock = lock ? 1 : 0;
   h->elem_size = elem_size;
@@ -52,10 +60,10 @@ SharedBlock SharedBlock::Create(BlockKind kind, size_t elem_size, size_t elem_al
   h->count = count;
   h->data_offset = offset;
   if (lock) LockCore::InitState(&h->lock, /*recursive=*/false);
-  return SharedBlock(std::move(segment), *h);
+  return ValueBlock(std::move(segment), *h);
 }
 
-SharedBlock SharedBlock::Adopt(std::shared_ptr<SharedSegment> segment, BlockKind kind,
+ValueBlock ValueBlock::Adopt(std::shared_ptr<SharedSegment> segment, BlockKind kind,
                                size_t elem_size, size_t elem_align) {
   const char* name = KindName(kind);
   auto malformed = [name](const std::string& why) {
@@ -63,11 +71,11 @@ SharedBlock SharedBlock::Adopt(std::shared_ptr<SharedSegment> segment, BlockKind
                  absl::StrCat("malformed message: cannot decode a ", name, ": ", why,
                               "; decode into the same type (and element type) that was encoded"));
   };
-  if (!segment || segment->size() < sizeof(SharedBlockHeader)) {
+  if (!segment || segment->size() < sizeof(ValueBlockHeader)) {
     throw malformed("the shared segment is smaller than its header");
   }
   // Copy the header out once: another process could change it while we check it.
-  SharedBlockHeader h;
+  ValueBlockHeader h;
   std::memcpy(static_cast<void*>(&h), segment->data(), sizeof(h));
   if (h.kind != kind) throw malformed("the shared segment holds something else");
   if (h.elem_size != elem_size || h.elem_align != elem_align) {
@@ -84,16 +92,16 @@ SharedBlock SharedBlock::Adopt(std::shared_ptr<SharedSegment> segment, BlockKind
   if (h.has_lock > 1 || (h.has_lock == 1 && h.lock.kind != kLockKind)) {
     throw malformed("its lock is not a valid Lock");
   }
-  return SharedBlock(std::move(segment), h);
+  return ValueBlock(std::move(segment), h);
 }
 
-SharedBlock::SharedBlock(std::shared_ptr<SharedSegment> segment, const SharedBlockHeader& h)
+ValueBlock::ValueBlock(std::shared_ptr<SharedSegment> segment, const ValueBlockHeader& h)
     : segment_(std::move(segment)),
       data_(static_cast<char*>(segment_->data()) + h.data_offset),
       count_(static_cast<size_t>(h.count)),
       has_lock_(h.has_lock != 0) {}
 
-Lock SharedBlock::MakeLock(const char* what) const {
+Lock ValueBlock::MakeLock(const char* what) const {
   if (!has_lock()) ThrowNoLock(what);
   return LockAccess::MakeLock(LockCore::Adopt(segment_));
 }

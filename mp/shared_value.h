@@ -17,6 +17,10 @@
 //   - The lock is a full mp::Lock: robust against processes dying while holding it (see
 //     mp/synchronize.h), and it can be encoded on its own.
 //   - Thread safety: as for the data you put in them; every method may be called from any thread.
+//   - Sizes: Array(n) throws kInvalidArgument when n * sizeof(T) (plus the header) overflows, and
+//     kResourceExhausted, before any memory is reserved or touched, when it is more than the memory
+//     available now or the process's limits (RLIMIT_FSIZE, RLIMIT_AS, the memory cgroup): see
+//     runtime/internal/memory_bounds.h.
 //
 // Hazards
 //   - T must be trivially copyable and must not point anywhere: pointers are meaningless in
@@ -26,7 +30,8 @@
 //   - Array::operator[], at() and data() give direct access into shared memory without locking,
 //     like std::span (a const handle still gives mutable access). Hold get_lock() while several
 //     processes write.
-//   - With lock = false there is no lock at all: get_lock() and update() throw kFailedPrecondition,
+//   - With lock = false (or a default-constructed, empty Array) there is no lock at all:
+//     get_lock() and update() throw kFailedPrecondition,
 //     and concurrent access to a T wider than a machine word may tear.
 #ifndef FORKSAFE_MP_SHARED_VALUE_H_
 #define FORKSAFE_MP_SHARED_VALUE_H_
@@ -51,7 +56,7 @@ namespace internal {
 
 /// NOT FOR USERS. The header at offset 0 of a Value or Array segment; the elements follow at
 /// data_offset. The lock comes first so that a Lock handle can view it alone.
-struct SharedBlockHeader {
+struct ValueBlockHeader {
   LockState lock;  ///< Initialized only when has_lock.
   uint32_t kind;   ///< kValueKind or kArrayKind.
   uint32_t has_lock;
@@ -67,16 +72,19 @@ enum BlockKind : uint32_t {
 };
 
 /// NOT FOR USERS. The untyped part of Value and Array: a segment holding a header and `count`
-/// elements of `elem_size` bytes. Copies share the segment.
-class SharedBlock {
+/// elements of `elem_size` bytes. Copies share the segment. (Named ValueBlock, not SharedBlock:
+/// mp/internal/shared_arena.h has a SharedBlock in this namespace, and two classes of one name
+/// with different inline members is an ODR violation that debug builds link wrongly.)
+class ValueBlock {
  public:
-  SharedBlock() = default;
-  /// A new zero-filled block. Throws kInvalidArgument when the size overflows.
-  static SharedBlock Create(BlockKind kind, size_t elem_size, size_t elem_align, size_t count,
+  ValueBlock() = default;
+  /// A new zero-filled block. Throws kInvalidArgument when the size overflows, kResourceExhausted
+  /// when it is more than the system can give (checked before the segment is created).
+  static ValueBlock Create(BlockKind kind, size_t elem_size, size_t elem_align, size_t count,
                             bool lock);
   /// Adopts a decoded segment after checking that it holds a block of `kind` whose elements are
   /// `elem_size` bytes aligned to `elem_align`, entirely inside the mapping.
-  static SharedBlock Adopt(std::shared_ptr<SharedSegment> segment, BlockKind kind,
+  static ValueBlock Adopt(std::shared_ptr<SharedSegment> segment, BlockKind kind,
                            size_t elem_size, size_t elem_align);
 
   void* data() const { return data_; }
@@ -98,7 +106,7 @@ class SharedBlock {
   }
 
  private:
-  SharedBlock(std::shared_ptr<SharedSegment> segment, const SharedBlockHeader& header);
+  ValueBlock(std::shared_ptr<SharedSegment> segment, const ValueBlockHeader& header);
   std::shared_ptr<SharedSegment> segment_;
   // Validated once, kept here: later changes to the shared header cannot move them.
   void* data_ = nullptr;
@@ -144,7 +152,7 @@ class Value {
  public:
   /// A new shared value holding `initial`, with a Lock unless `lock` is false.
   explicit Value(T initial = T{}, bool lock = true)
-      : block_(internal::SharedBlock::Create(internal::kValueKind, sizeof(T), alignof(T), 1,
+      : block_(internal::ValueBlock::Create(internal::kValueKind, sizeof(T), alignof(T), 1,
                                              lock)) {
     std::memcpy(block_.data(), &initial, sizeof(T));
     if (lock) lock_ = block_.MakeLock("Value");
@@ -199,8 +207,8 @@ class Value {
   }
   template <class Archive>
   void load(Archive& ar) {
-    internal::SharedBlock block = internal::SharedBlock::Adopt(
-        internal::SharedBlock::LoadSegment(ar), internal::kValueKind, sizeof(T), alignof(T));
+    internal::ValueBlock block = internal::ValueBlock::Adopt(
+        internal::ValueBlock::LoadSegment(ar), internal::kValueKind, sizeof(T), alignof(T));
     std::optional<Lock> lock;
     if (block.has_lock()) lock = block.MakeLock("Value");
     block_ = std::move(block);
@@ -209,7 +217,7 @@ class Value {
 
  private:
   Lock* lock_ptr() const { return lock_.has_value() ? &*lock_ : nullptr; }
-  internal::SharedBlock block_;
+  internal::ValueBlock block_;
   mutable std::optional<Lock> lock_;
 };
 
@@ -222,9 +230,13 @@ class Array {
                 "std::string, std::vector or pointers)");
 
  public:
-  /// n copies of `fill`, with a Lock unless `lock` is false. kInvalidArgument if n is too large.
+  /// An empty Array: no elements, no lock, no shared memory. It is what a decoded argument starts
+  /// as (entry points decode into default-constructed values); assign a real Array to use it.
+  Array() = default;
+  /// n copies of `fill`, with a Lock unless `lock` is false. kInvalidArgument if n * sizeof(T)
+  /// overflows; kResourceExhausted, before anything is touched, if the system cannot give it.
   explicit Array(size_t n, const T& fill = T{}, bool lock = true)
-      : block_(internal::SharedBlock::Create(internal::kArrayKind, sizeof(T), alignof(T), n,
+      : block_(internal::ValueBlock::Create(internal::kArrayKind, sizeof(T), alignof(T), n,
                                              lock)) {
     T* p = data();
     for (size_t i = 0; i < n; ++i) std::memcpy(p + i, &fill, sizeof(T));
@@ -232,7 +244,7 @@ class Array {
   }
   /// A copy of `init`, with a Lock unless `lock` is false.
   explicit Array(const std::vector<T>& init, bool lock = true)
-      : block_(internal::SharedBlock::Create(internal::kArrayKind, sizeof(T), alignof(T),
+      : block_(internal::ValueBlock::Create(internal::kArrayKind, sizeof(T), alignof(T),
                                              init.size(), lock)) {
     if (!init.empty()) std::memcpy(data(), init.data(), init.size() * sizeof(T));
     if (lock) lock_ = block_.MakeLock("Array");
@@ -275,8 +287,8 @@ class Array {
   }
   template <class Archive>
   void load(Archive& ar) {
-    internal::SharedBlock block = internal::SharedBlock::Adopt(
-        internal::SharedBlock::LoadSegment(ar), internal::kArrayKind, sizeof(T), alignof(T));
+    internal::ValueBlock block = internal::ValueBlock::Adopt(
+        internal::ValueBlock::LoadSegment(ar), internal::kArrayKind, sizeof(T), alignof(T));
     std::optional<Lock> lock;
     if (block.has_lock()) lock = block.MakeLock("Array");
     block_ = std::move(block);
@@ -285,7 +297,7 @@ class Array {
 
  private:
   Lock* lock_ptr() const { return lock_.has_value() ? &*lock_ : nullptr; }
-  internal::SharedBlock block_;
+  internal::ValueBlock block_;
   mutable std::optional<Lock> lock_;
 };
 

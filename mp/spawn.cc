@@ -85,7 +85,10 @@ void ProcessContext::TerminateAll(int spare) {
     }
   }
   if (!any) return;
-  const auto deadline = internal::Clock::now() + std::chrono::duration_cast<internal::Clock::duration>(grace_);
+  // grace_ was checked by spawn() (mp/timeout.h's rules); +infinity waits for them forever.
+  const std::optional<internal::Clock::duration> wait =
+      internal::CheckedWait(grace_, "SpawnOptions::grace_period");
+  const auto deadline = wait ? internal::Clock::now() + *wait : internal::Clock::time_point::max();
   for (Process& p : processes_) {
     if (p.pid() == 0) continue;
     const auto left = std::chrono::duration<double>(
@@ -123,7 +126,16 @@ bool ProcessContext::join(Timeout timeout) {
         for (size_t j = 0; j < done_.size(); ++j) done_[j] = true;
         throw ProcessRaisedException(static_cast<int>(i), p.pid(), failure);
       }
-      const int code = *p.exitcode();
+      int code = 0;
+      try {
+        code = *p.exitcode();
+      } catch (const Error&) {
+        // Its status is lost (another waiter of this program reaped it, see mp/process.h): a
+        // failure whose cause the error names. Stop the others first, as for any failure.
+        TerminateAll();
+        for (size_t j = 0; j < done_.size(); ++j) done_[j] = true;
+        throw;
+      }
       if (code == 0) {
         done_[i] = true;
         continue;

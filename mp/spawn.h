@@ -15,8 +15,16 @@
 //     carries the index, pid, exit code and the signal's name ("SIGSEGV (Segmentation fault)").
 //   Both derive from runtime::Error, so a caller that only wants a message catches that.
 //
+//   - Error(kFailedPrecondition) naming the cause when a child ended without a report and its
+//     exit status is lost: the program around us took it (SIGCHLD ignored or reaped by a
+//     handler, on kernels older than 6.15), or the fork server was killed before reporting it
+//     (see mp/process.h); again after terminating the others.
+//
 // Guarantees
 //   - Nothing is left behind: every child is reaped before spawn()/join() throws or returns true.
+//   - Works in programs that ignore SIGCHLD or reap every child in a SIGCHLD handler, and under
+//     small descriptor or process limits (a start that runs out is Error(kResourceExhausted)
+//     naming the limit, after the processes already started are terminated and reaped).
 //   - The default start method is "spawn", as in PyTorch; fn must then be registered with
 //     FORKSAFE_ENTRY_POINT and the program must call InitMain() (see mp/process.h).
 #ifndef FORKSAFE_MP_SPAWN_H_
@@ -32,6 +40,7 @@
 #include <vector>
 
 #include "mp/process.h"
+#include "mp/timeout.h"
 #include "runtime/error.h"
 
 namespace forksafe::mp {
@@ -117,6 +126,7 @@ std::unique_ptr<ProcessContext> spawn(Fn fn, std::tuple<Args...> args, SpawnOpti
     throw runtime::Error(runtime::ErrorCode::kInvalidArgument,
                          "spawn: nprocs must be >= 1, got " + std::to_string(options.nprocs));
   }
+  internal::CheckedWait(options.grace_period, "spawn: SpawnOptions::grace_period");
   std::vector<Process> procs;
   procs.reserve(options.nprocs);
   for (int i = 0; i < options.nprocs; ++i) {

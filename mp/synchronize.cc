@@ -402,11 +402,7 @@ Barrier::Barrier(int parties, std::function<void()> action, Timeout timeout)
     throw Error(ErrorCode::kInvalidArgument,
                 absl::StrCat("Barrier: parties must be >= 1, got ", parties));
   }
-  if (timeout.has_value() && timeout->count() < 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("Barrier: default timeout must be >= 0 seconds, got ",
-                             timeout->count(), "; pass no timeout to wait forever"));
-  }
+  internal::CheckedWait(timeout, "Barrier: default timeout");  // NaN, < 0: kInvalidArgument
   state_ = internal::CreateState<internal::BarrierState>("barrier", internal::kBarrierKind);
   internal::BarrierState* s = internal::Get(state_);
   s->parties = parties;

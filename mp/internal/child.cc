@@ -3,24 +3,26 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sched.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
-#include <sys/signalfd.h>
-#include <sys/socket.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <cxxabi.h>
-#include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "device/registry.h"
-#include "mp/internal/server_auth.h"
-#include "mp/internal/shm_manager.h"
 #include "runtime/at_fork.h"
 #include "runtime/error.h"
 #include "runtime/internal/kept_resources.h"
@@ -88,13 +90,7 @@ FileDescriptor LifelineReadEnd() {
   if (l.read_end < 0) {
     int p[2];
     if (pipe2(p, O_CLOEXEC) != 0) {
-      const int err = errno;
-      if (err == EMFILE || err == ENFILE) {
-        throw Error(ErrorCode::kResourceExhausted,
-                    "out of file descriptors creating the children's lifeline pipe; raise the "
-                    "limit (ulimit -n)");
-      }
-      runtime::ThrowSystemError("pipe2 for the lifeline", err);
+      ThrowCannotStartProcess("pipe2 for the children's lifeline", errno);
     }
     l.read_end = p[0];
     l.write_end = p[1];
@@ -102,17 +98,255 @@ FileDescriptor LifelineReadEnd() {
   return FileDescriptor::Dup(l.read_end);
 }
 
+namespace {
+
+[[noreturn]] void DieWithParent() {
+  ::kill(getpid(), SIGKILL);
+  for (;;) pause();
+}
+
+// Kills this process once getppid() is no longer `parent` (the parent died; we were reparented).
+[[noreturn]] void WatchParentPid(pid_t parent) {
+  while (getppid() == parent) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  DieWithParent();
+}
+
+// Closes every descriptor of the calling thread's private table but `keep`, by system call: the
+// sanitizers' close() interceptors track descriptors per process, and these copies are not the
+// process's.
+void CloseAllInPrivateTableBut(int keep) {
+  bool ok = keep == 0 || syscall(SYS_close_range, 0u, static_cast<unsigned>(keep - 1), 0u) == 0;
+  ok = ok && syscall(SYS_close_range, static_cast<unsigned>(keep + 1), ~0u, 0u) == 0;
+  if (ok) return;
+  rlimit rl{};  // kernels before 5.9: one by one, up to the table's limit
+  long max = getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY
+                 ? static_cast<long>(rl.rlim_cur)
+                 : 65536;
+  if (max > (1 << 20)) max = 1 << 20;
+  for (long fd = 0; fd < max; ++fd) {
+    if (fd != keep) syscall(SYS_close, fd);
+  }
+}
+
+}  // namespace
+
 void WatchLifeline(FileDescriptor read_end) {
   if (!read_end) return;
-  std::thread([fd = read_end.release()] {
-    char c;
-    for (;;) {
-      const ssize_t n = ::read(fd, &c, 1);
-      if (n < 0 && errno == EINTR) continue;
-      break;  // end-of-file (or an error): the parent is gone
+  const int fd = read_end.get();
+  struct stat st {};
+  fstat(fd, &st);
+  const pid_t parent = getppid();
+  struct Handshake {
+    std::mutex mu;
+    std::condition_variable cv;
+    int mode = 0;  // 1: private descriptor table, 2: the process's table
+  };
+  auto hs = std::make_shared<Handshake>();
+  try {
+    std::thread([fd, parent, hs, dev = st.st_dev, ino = st.st_ino] {
+      // The program's signal handlers (a SIGCHLD handler, say) never run on this thread.
+      sigset_t all;
+      sigfillset(&all);
+      pthread_sigmask(SIG_BLOCK, &all, nullptr);
+      const bool private_table = unshare(CLONE_FILES) == 0;
+      if (private_table) CloseAllInPrivateTableBut(fd);
+      {
+        std::lock_guard<std::mutex> lk(hs->mu);
+        hs->mode = private_table ? 1 : 2;
+      }
+      hs->cv.notify_all();
+      if (private_table) {
+        // By system call, as above: this copy of `fd` is the thread's alone, and the process's
+        // copy is closed meanwhile, which the sanitizers (one table per process) would take for
+        // a race.
+        char c;
+        while (syscall(SYS_read, fd, &c, 1) < 0 && errno == EINTR) {
+        }
+        DieWithParent();  // end-of-file: the parent is gone
+      }
+      // The process's table, which the program may change under us at any moment: never read
+      // (the number may be someone else's file by then), only poll for the hang-up, and trust it
+      // only if the descriptor is still the lifeline afterwards. Otherwise watch getppid(),
+      // which is right both when the program took the number and when the parent died meanwhile.
+      // (By system calls: the sanitizers would report the program's own open/close of that
+      // number as a race with this thread, which is exactly the case handled here.)
+      for (;;) {
+        pollfd p{fd, POLLIN, 0};
+        timespec period{0, 50 * 1000 * 1000};
+        const long n = syscall(SYS_ppoll, &p, 1, &period, nullptr, 0);
+        if (n < 0 && errno == EINTR) continue;
+        struct stat now {};
+        if (syscall(SYS_fstat, fd, &now) != 0 || now.st_dev != dev || now.st_ino != ino) {
+          WatchParentPid(parent);
+        }
+        if (n > 0 && (p.revents & (POLLHUP | POLLERR))) DieWithParent();
+        if (n > 0) WatchParentPid(parent);  // readable without a hang-up: not our pipe's doing
+      }
+    }).detach();
+  } catch (const std::exception&) {
+    // No thread to be had (a thread limit): the kernel's parent-death signal is the last resort.
+    // It fires when the thread that started this process exits, which is why it is not the rule.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) DieWithParent();
+    return;
+  }
+  std::unique_lock<std::mutex> lk(hs->mu);
+  hs->cv.wait(lk, [&] { return hs->mode != 0; });
+  if (hs->mode == 1) {
+    read_end.reset();  // the watcher holds its own copy; this table keeps none
+  } else {
+    (void)read_end.release();  // the watcher reads this very descriptor
+  }
+}
+
+// ---- reaping our own children ----
+
+namespace {
+
+// PIDFD_GET_INFO (Linux 6.15+), its first version: what the kernel keeps of a process for its
+// pidfds, including the exit status after someone else reaped it. Declared here because the C
+// library's headers of this distribution predate it.
+struct PidfdInfoV0 {
+  uint64_t mask;
+  uint64_t cgroupid;
+  uint32_t pid, tgid, ppid, ruid, rgid, euid, egid, suid, sgid, fsuid, fsgid;
+  int32_t exit_code;
+};
+constexpr unsigned long kPidfdGetInfo = _IOWR(0xFF, 11, PidfdInfoV0);
+constexpr uint64_t kPidfdInfoExit = uint64_t{1} << 3;
+constexpr idtype_t kPPidfd = static_cast<idtype_t>(3);  // P_PIDFD (Linux 5.4+)
+
+std::optional<int> PidfdExitStatus(int pidfd) {
+  PidfdInfoV0 info{};
+  info.mask = kPidfdInfoExit;
+  if (ioctl(pidfd, kPidfdGetInfo, &info) != 0 || (info.mask & kPidfdInfoExit) == 0) {
+    return std::nullopt;
+  }
+  return info.exit_code;
+}
+
+int WaitStatusOf(const siginfo_t& si) {
+  switch (si.si_code) {
+    case CLD_EXITED: return (si.si_status & 0xff) << 8;
+    case CLD_KILLED: return si.si_status & 0x7f;
+    case CLD_DUMPED: return (si.si_status & 0x7f) | 0x80;
+    default: return 0;
+  }
+}
+
+}  // namespace
+
+ReapResult ReapChild(pid_t pid, int pidfd) {
+  ReapResult r;
+  if (pidfd >= 0) {
+    siginfo_t si;
+    memset(&si, 0, sizeof(si));
+    int rc;
+    do {
+      rc = waitid(kPPidfd, static_cast<id_t>(pidfd), &si, WEXITED | WNOHANG);
+    } while (rc < 0 && errno == EINTR);
+    if (rc == 0) {
+      if (si.si_pid == 0) return r;  // running
+      r.state = ReapResult::kReaped;
+      r.status_known = true;
+      r.wait_status = WaitStatusOf(si);
+      return r;
     }
-    ::kill(getpid(), SIGKILL);
-  }).detach();
+    if (errno == ECHILD) {
+      r.state = ReapResult::kReapedElsewhere;
+      if (std::optional<int> st = PidfdExitStatus(pidfd)) {
+        r.status_known = true;
+        r.wait_status = *st;
+      }
+      return r;
+    }
+    if (errno != EINVAL) {
+      runtime::ThrowSystemError(absl::StrCat("waitid(P_PIDFD) for pid ", pid), errno);
+    }
+    // EINVAL: a kernel without P_PIDFD; by pid, then.
+  }
+  int status = 0;
+  pid_t w;
+  do {
+    w = waitpid(pid, &status, WNOHANG);
+  } while (w < 0 && errno == EINTR);
+  if (w == 0) return r;
+  if (w == pid) {
+    r.state = ReapResult::kReaped;
+    r.status_known = true;
+    r.wait_status = status;
+    return r;
+  }
+  if (errno != ECHILD) runtime::ThrowSystemError(absl::StrCat("waitpid(", pid, ")"), errno);
+  r.state = ReapResult::kReapedElsewhere;
+  if (pidfd >= 0) {
+    if (std::optional<int> st = PidfdExitStatus(pidfd)) {
+      r.status_known = true;
+      r.wait_status = *st;
+    }
+  }
+  return r;
+}
+
+void SignalChild(pid_t pid, int pidfd, int sig) {
+  if (pidfd >= 0) {
+    if (syscall(SYS_pidfd_send_signal, pidfd, sig, nullptr, 0u) == 0 || errno != ENOSYS) return;
+  }
+  ::kill(pid, sig);
+}
+
+void ReapUntilGone(pid_t pid, int pidfd) {
+  auto nap = std::chrono::microseconds(50);
+  bool polled = false;
+  while (ReapChild(pid, pidfd).state == ReapResult::kRunning) {
+    if (pidfd >= 0 && !polled) {
+      pollfd p{pidfd, POLLIN, 0};
+      polled = ::poll(&p, 1, -1) > 0;  // readable once it exited
+    } else {
+      std::this_thread::sleep_for(nap);  // exited, not yet reapable; or no pidfd
+      if (nap < std::chrono::milliseconds(5)) nap *= 2;
+    }
+  }
+}
+
+namespace {
+std::string LimitText(int resource) {
+  rlimit rl{};
+  if (getrlimit(resource, &rl) != 0) return "unknown";
+  return rl.rlim_cur == RLIM_INFINITY ? std::string("unlimited") : std::to_string(rl.rlim_cur);
+}
+}  // namespace
+
+std::string DescriptorLimitNote() {
+  return absl::StrCat("the limit is ", LimitText(RLIMIT_NOFILE),
+                      " descriptors (RLIMIT_NOFILE, ulimit -n): raise the limit, or run fewer "
+                      "processes at once (each running Process holds 2 descriptors in its "
+                      "parent, 1 under forkserver)");
+}
+
+std::string ProcessLimitNote() {
+  return absl::StrCat("this user may run ", LimitText(RLIMIT_NPROC),
+                      " processes and threads (RLIMIT_NPROC, ulimit -u), and the system limits "
+                      "them too (kernel.threads-max, kernel.pid_max, a cgroup's pids.max): raise "
+                      "the limit that was reached, or run fewer processes at once");
+}
+
+[[noreturn]] void ThrowCannotStartProcess(const std::string& what, int err) {
+  if (err == EAGAIN) {
+    throw Error(ErrorCode::kResourceExhausted,
+                absl::StrCat(what, " failed: ", strerror(err),
+                             " (a process or thread limit is reached); ", ProcessLimitNote()));
+  }
+  if (err == ENOMEM) {
+    throw Error(ErrorCode::kResourceExhausted,
+                absl::StrCat(what, " failed: out of memory; free memory, or run fewer processes "
+                                   "at once"));
+  }
+  if (err == EMFILE || err == ENFILE) {
+    throw Error(ErrorCode::kResourceExhausted,
+                absl::StrCat(what, " failed: out of file descriptors; ", DescriptorLimitNote()));
+  }
+  runtime::ThrowSystemError(what, err);
 }
 
 void SendReport(Connection& c, const std::string& kind, const std::string& payload) {
@@ -163,6 +397,12 @@ ChildReport DecodeChildReport(Message& msg) {
       r.wait_status = DecodeAs<int32_t>(p);
     } catch (const Error&) {
     }
+  } else if (kind == "exiting") {
+    r.kind = ChildReport::kExiting;
+    try {
+      r.exit_code = DecodeAs<int32_t>(p);
+    } catch (const Error&) {
+    }
   }
   return r;
 }
@@ -171,33 +411,81 @@ pid_t DecodeForkServerReply(Message& msg) {
   const int32_t pid = DecodeAs<int32_t>(msg);
   if (pid > 0) return pid;
   if (pid == -1) throw Error(ErrorCode::kInternal, "the fork server rejected a malformed request");
-  if (pid < 0 && pid > -4096) {
-    throw Error(ErrorCode::kInternal,
-                absl::StrCat("the fork server could not fork: ", strerror(-pid)));
+  if (pid == -EMFILE) {
+    // Its table had no room for the request's descriptors (it keeps the RLIMIT_NOFILE it
+    // started with, and holds one descriptor per process it runs).
+    ThrowCannotStartProcess("the fork server, receiving the request's descriptors,", EMFILE);
   }
+  if (pid < 0 && pid > -4096) ThrowCannotStartProcess("the fork server's fork()", -pid);
   throw Error(ErrorCode::kInvalidArgument,
               absl::StrCat("the fork server replied ", pid, ", which is neither a pid nor an "
                            "error number"));
 }
 
+namespace {
+
+// The result channel as the child found it. A report goes out only while its descriptor is still
+// that socket: a target may close every descriptor and reuse the numbers, and a report must never
+// land in someone else's file.
+struct ReportChannel {
+  Connection conn;
+  dev_t dev = 0;
+  ino_t ino = 0;
+
+  explicit ReportChannel(Connection c) : conn(std::move(c)) {
+    struct stat st {};
+    if (!conn.closed() && fstat(conn.fileno(), &st) == 0) {
+      dev = st.st_dev;
+      ino = st.st_ino;
+    }
+  }
+  void Send(const std::string& kind, const std::string& payload) {
+    if (conn.closed() || ino == 0) return;
+    struct stat st {};
+    if (fstat(conn.fileno(), &st) != 0 || st.st_dev != dev || st.st_ino != ino) return;
+    try {
+      SendReport(conn, kind, payload);
+    } catch (...) {
+      // The parent is gone or closed the channel; the lifeline decides.
+    }
+  }
+};
+
+ReportChannel* g_report = nullptr;  // this child's, for exit() called by the target
+pid_t g_report_pid = 0;             // whose it is: not a process the target forked by itself
+
+// on_exit handler: exit(n) called by the target is reported as "exiting" n. Registered in the
+// parent (RegisterExitReport): a process where it is not this child's does nothing.
+void ReportExit(int status, void*) {
+  if (g_report == nullptr || g_report_pid != getpid()) return;
+  g_report->Send("exiting", Encode(static_cast<int32_t>(status & 0xff)).bytes);
+}
+
+}  // namespace
+
+void RegisterExitReport() {
+  static const bool registered = on_exit(ReportExit, nullptr) == 0;
+  (void)registered;
+}
+
 void RunChildBody(const std::function<void()>& target, Connection result, const std::string& name) {
   if (!name.empty()) prctl(PR_SET_NAME, name.substr(0, 15).c_str());
   int code = 0;
-  try {
-    if (!result.closed()) SendReport(result, "hello", std::string());
-  } catch (...) {
-    // The parent is gone or closed the channel; run anyway, the lifeline decides.
-  }
+  // Leaked on purpose: exit() from the target runs ReportExit after this frame is gone.
+  g_report = new ReportChannel(std::move(result));
+  g_report_pid = getpid();
+  ReportChannel& report = *g_report;
+  report.Send("hello", std::string());
+  // ReportExit was registered before the fork (RegisterExitReport): calling on_exit() here would
+  // take the C library's exit-handler lock, which another thread of the parent may have held at
+  // the fork, and hang this child for good.
   EnableThrowTraceCapture(true);
   try {
     target();
   } catch (const std::exception& e) {
     code = 1;
     ChildFailure f{Demangle(typeid(e).name()), e.what(), LastThrowTrace()};
-    try {
-      if (!result.closed()) SendReport(result, "failure", Encode(f).bytes);
-    } catch (...) {
-    }
+    report.Send("failure", Encode(f).bytes);
     fprintf(stderr, "forksafe: process %s (pid %d) failed: %s: %s\n", name.c_str(), getpid(),
             f.type.c_str(), f.message.c_str());
   } catch (...) {
@@ -205,250 +493,15 @@ void RunChildBody(const std::function<void()>& target, Connection result, const 
     const std::type_info* t = abi::__cxa_current_exception_type();
     ChildFailure f{t != nullptr ? Demangle(t->name()) : "unknown", "(not a std::exception)",
                    LastThrowTrace()};
-    try {
-      if (!result.closed()) SendReport(result, "failure", Encode(f).bytes);
-    } catch (...) {
-    }
+    report.Send("failure", Encode(f).bytes);
   }
   EnableThrowTraceCapture(false);
   // Device work this child queued (a kernel writing a tensor it sent) finishes before it exits,
   // so receivers read complete data (device/ipc.h).
   device::FinishQueuedWork();
   fflush(nullptr);
+  report.Send("exiting", Encode(static_cast<int32_t>(code)).bytes);
   _exit(code);
 }
 
-// ---------------------------------------------------------------------------------------------
-// Fork server: a process spawned from this executable, single-threaded, that forks a child per
-// request and reports each child's exit status to whoever asked for it.
-
-namespace {
-
-// The body a child runs for `req`: its entry point with its arguments, or, for a name this
-// program does not know, a throw that reports it to the parent.
-std::function<void()> TargetOf(RunRequest& req) {
-  try {
-    const EntryInvoker& invoke = FindEntryPoint(req.entry);
-    return [&invoke, &req] { invoke(req.args); };
-  } catch (const Error& e) {
-    const std::string what = e.what();
-    return [what] { throw Error(ErrorCode::kNotFound, what); };
-  }
-}
-
-[[noreturn]] void ServeForever(int sock) {
-  // Nothing is served before the creator proved it holds the secret it handed us on kSecretFd
-  // (see mp/internal/server_auth.h for the threat model). A refused connection is closed unread
-  // and, being the only one this server has, ends it.
-  std::string secret = ReadInheritedSecret(kSecretFd);
-  // SIGCHLD through a signalfd, so the loop can wait on requests, deaths and the lifeline at once.
-  sigset_t mask;
-  sigemptyset(&mask);
-  sigaddset(&mask, SIGCHLD);
-  sigprocmask(SIG_BLOCK, &mask, nullptr);
-  const int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
-  if (sfd < 0) _exit(120);
-  Connection requests(FileDescriptor(sock), true, true);
-  if (!CheckServerHello(requests, secret, "the fork server")) _exit(0);
-  std::map<pid_t, Connection> status_channels;
-  FileDescriptor lifeline;  // from the first request: the server dies with its parent too
-  for (;;) {
-    pollfd fds[3] = {{requests.fileno(), POLLIN, 0}, {sfd, POLLIN, 0}, {lifeline.get(), POLLIN, 0}};
-    const int nfds = lifeline ? 3 : 2;
-    if (::poll(fds, nfds, -1) < 0) {
-      if (errno == EINTR) continue;
-      _exit(121);
-    }
-    if (nfds == 3 && (fds[2].revents & (POLLIN | POLLHUP))) _exit(0);  // parent died
-    if (fds[1].revents & POLLIN) {
-      signalfd_siginfo si;
-      while (::read(sfd, &si, sizeof(si)) > 0) {
-      }
-      int status = 0;
-      pid_t pid;
-      while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
-        auto it = status_channels.find(pid);
-        if (it == status_channels.end()) continue;
-        try {
-          SendReport(it->second, "exit", Encode(static_cast<int32_t>(status)).bytes);
-        } catch (...) {
-        }
-        status_channels.erase(it);
-      }
-    }
-    if (fds[0].revents & (POLLIN | POLLHUP)) {
-      Message msg;
-      try {
-        msg = requests.RecvMessage(std::nullopt);
-      } catch (...) {
-        _exit(0);  // the parent closed the request socket: nothing more to serve
-      }
-      RunRequest req;
-      try {
-        req = DecodeRunRequest(std::move(msg), /*need_result=*/true);
-      } catch (...) {
-        requests.send(static_cast<int32_t>(-1));
-        continue;
-      }
-      if (!lifeline) lifeline = FileDescriptor::Dup(req.lifeline.get());
-      const pid_t pid = fork();
-      if (pid == 0) {
-        explicit_bzero(secret.data(), secret.size());  // user code runs here: leave it no secret
-        ::close(sfd);
-        sigprocmask(SIG_UNBLOCK, &mask, nullptr);
-        requests.close();
-        status_channels.clear();
-        WatchLifeline(std::move(req.lifeline));
-        Connection result(std::move(req.result), true, true);
-        RunChildBody(TargetOf(req), std::move(result), req.name);
-      }
-      if (pid < 0) {
-        requests.send(static_cast<int32_t>(-errno));
-        continue;
-      }
-      status_channels.emplace(pid, Connection(std::move(req.result), true, true));
-      requests.send(static_cast<int32_t>(pid));
-    }
-  }
-}
-
-[[noreturn]] void RunSpawnedChild() {
-  Connection boot(FileDescriptor(kBootstrapFd), true, true);
-  RunRequest req;
-  try {
-    req = DecodeRunRequest(boot.RecvMessage(std::chrono::duration<double>(60)));
-  } catch (const std::exception& e) {
-    fprintf(stderr, "forksafe: spawned child could not read its bootstrap message: %s\n", e.what());
-    _exit(122);
-  }
-  WatchLifeline(std::move(req.lifeline));
-  Connection result = req.result ? Connection(std::move(req.result), true, true) : boot;
-  RunChildBody(TargetOf(req), std::move(result), req.name);
-}
-
-struct ForkServer {
-  std::mutex mu;
-  pid_t pid = 0;
-  Connection requests;
-};
-
-ForkServer& TheServer() {
-  static auto* s = new ForkServer();
-  return *s;
-}
-
-const bool g_server_handler = [] {
-  // The server belongs to the parent; a forked child starts its own if it needs one. Its mutex
-  // was held across the fork, so no thread was using the socket: closing it is safe.
-  runtime::HoldAcrossFork(&TheServer().mu, "mp_forkserver", [] {
-    ForkServer& s = TheServer();
-    s.requests.close();
-    s.requests = Connection();
-    s.pid = 0;
-  });
-  runtime::internal::RegisterKeptResources("mp_forkserver", [](runtime::internal::KeptResources& k) {
-    ForkServer& s = TheServer();
-    std::lock_guard<std::mutex> lk(s.mu);
-    k.AddChild(s.pid, "mp fork server");
-    if (!s.requests.closed()) k.AddFd(s.requests.fileno(), "mp fork server socket");
-  });
-  return true;
-}();
-
-// Forgets the server: closes its socket, kills it (a no-op when it is dead already) and reaps it.
-// It is our child and not reaped yet, so its pid cannot belong to another process. Holds s.mu.
-void ForgetServerLocked(ForkServer& s) {
-  s.requests.close();
-  s.requests = Connection();
-  if (s.pid > 0) {
-    pid_t r;
-    do {
-      r = waitpid(s.pid, nullptr, WNOHANG);
-    } while (r < 0 && errno == EINTR);
-    if (r == 0) {  // still running (it may be exiting): end it
-      ::kill(s.pid, SIGKILL);
-      while (waitpid(s.pid, nullptr, 0) < 0 && errno == EINTR) {
-      }
-    }
-  }
-  s.pid = 0;
-}
-
-// Reaps and forgets the server if it has exited (killed by the OOM killer or by hand), so that the
-// next request starts a fresh one instead of failing on its closed socket. Holds s.mu.
-void ForgetServerIfDeadLocked(ForkServer& s) {
-  if (s.pid == 0) return;
-  pid_t r;
-  do {
-    r = waitpid(s.pid, nullptr, WNOHANG);
-  } while (r < 0 && errno == EINTR);
-  if (r == 0) return;  // running
-  s.pid = 0;  // reaped just now (or by someone else): never signal that pid again
-  ForgetServerLocked(s);
-}
-
-}  // namespace
-
-void ForkServerReapIfDead() {
-  ForkServer& s = TheServer();
-  std::lock_guard<std::mutex> lk(s.mu);
-  ForgetServerIfDeadLocked(s);
-}
-
-pid_t ForkServerRun(Message request) {
-  ForkServer& s = TheServer();
-  std::lock_guard<std::mutex> lk(s.mu);
-  ForgetServerIfDeadLocked(s);
-  for (int attempt = 0;; ++attempt) {
-    if (s.pid == 0) {
-      auto [ours, theirs] = Pipe(true);
-      std::string secret = NewServerSecret();
-      FileDescriptor secret_pipe = SecretPipe(secret);
-      s.pid = SpawnExecutable(kServerFlag, theirs.fileno(), secret_pipe.get());
-      secret_pipe.reset();
-      theirs.close();
-      s.requests = ours;
-      SendServerHello(s.requests, secret);
-      explicit_bzero(secret.data(), secret.size());
-    }
-    try {
-      s.requests.SendMessage(request);
-      break;
-    } catch (const Error& e) {
-      // The server died before it could read the request (after the check above): nothing was
-      // forked for it, so a fresh server may take it, once.
-      ForgetServerLocked(s);
-      if (e.code() != ErrorCode::kClosed || attempt > 0) throw;
-    }
-  }
-  Message reply;
-  try {
-    reply = s.requests.RecvMessage(std::chrono::duration<double>(30));
-  } catch (const Error& e) {
-    if (e.code() != ErrorCode::kClosed) throw;
-    // It died with the request: whether it forked the child is unknown, so do not retry.
-    ForgetServerLocked(s);
-    throw Error(ErrorCode::kUnavailable,
-                "the fork server died while it was starting the process (killed, or out of "
-                "memory); the process may not have started. Start it again: a new fork server "
-                "is started on the next request");
-  }
-  return DecodeForkServerReply(reply);
-}
-
 }  // namespace forksafe::mp::internal
-
-namespace forksafe::mp {
-
-void InitMain(int argc, char** argv) {
-  if (argc > 0) internal::SetArgv0(argv[0]);
-  if (argc >= 2 && std::strcmp(argv[1], internal::kChildFlag) == 0) internal::RunSpawnedChild();
-  if (argc >= 2 && std::strcmp(argv[1], internal::kServerFlag) == 0) {
-    internal::ServeForever(internal::kBootstrapFd);
-  }
-  if (argc >= 2 && std::strcmp(argv[1], internal::kShmManagerFlag) == 0) {
-    internal::RunShmManager(internal::kBootstrapFd);
-  }
-}
-
-}  // namespace forksafe::mp

@@ -16,6 +16,10 @@ namespace forksafe::mp::internal {
 void AttachDescriptors(msghdr& mh, std::vector<char>& buf, const std::vector<int>& fds);
 
 /// Takes ownership of every descriptor received in `mh`'s control messages, appending to `out`.
+/// When the kernel dropped some (MSG_CTRUNC: this process is at RLIMIT_NOFILE), closes the ones
+/// that arrived and throws Error(kResourceExhausted) naming the limit: a message is never
+/// delivered without descriptors its sender attached. The bytes read with them are consumed, so
+/// a stream is then in the middle of a message: the caller must not read it in step afterwards.
 void CollectDescriptors(msghdr& mh, std::vector<FileDescriptor>* out);
 
 }  // namespace forksafe::mp::internal

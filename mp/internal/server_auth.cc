@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdio>
 
+#include "mp/internal/child.h"
 #include "runtime/error.h"
 
 namespace forksafe::mp::internal {
@@ -27,7 +28,8 @@ bool ConstantTimeEqual(const std::string& a, const std::string& b) {
 
 FileDescriptor SecretPipe(const std::string& secret) {
   int p[2];
-  if (pipe2(p, O_CLOEXEC) != 0) runtime::ThrowSystemError("pipe2 for a server secret", errno);
+  // Out of descriptors is kResourceExhausted naming the limit, as for every process start.
+  if (pipe2(p, O_CLOEXEC) != 0) ThrowCannotStartProcess("pipe2 for a server's secret", errno);
   FileDescriptor read_end(p[0]), write_end(p[1]);
   // A pipe holds at least 4 KiB: the write completes at once, before the server exists.
   size_t put = 0;

@@ -11,8 +11,9 @@
 #include <cstring>
 #include <deque>
 #include <map>
-#include <set>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -21,6 +22,7 @@
 #include "runtime/at_fork.h"
 #include "runtime/error.h"
 #include "runtime/internal/kept_resources.h"
+#include "runtime/internal/memory_bounds.h"
 
 namespace forksafe::mp::internal {
 namespace {
@@ -28,7 +30,6 @@ namespace {
 using runtime::Error;
 using runtime::ErrorCode;
 
-constexpr uint64_t kSegmentMagic = 0x66736172656e6131ull;  // "fsarena1"
 constexpr uint32_t kBlockMagic = 0x424c4b31;                // "BLK1"
 constexpr size_t kHeaderBytes = 4096;                       // segment header page
 constexpr size_t kBlockHeader = 64;
@@ -37,22 +38,14 @@ constexpr size_t kMinSegment = size_t{4} << 20;
 constexpr size_t kMaxSegment = size_t{64} << 20;
 constexpr size_t kDedicatedAbove = size_t{16} << 20;  // bigger blocks get a segment of their own
 
-struct SegmentHeader {
-  uint64_t magic;
-  uint64_t size;
-  uint64_t id;
-  int32_t creator;
-  std::atomic<int32_t> live_refs;  // sum of the blocks' counts (for the shm manager)
-  uint64_t pid_ns;                 // the creator's pid namespace (PidNamespaceId(), for the sweep)
-};
-
 struct BlockHeader {
   uint32_t magic;
   std::atomic<int32_t> refs;
   uint64_t size;  // usable bytes after the header
 };
 
-size_t RoundUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
+// Checked (runtime/internal/memory_bounds.h): never wraps to a tiny segment.
+size_t RoundUp(size_t n, size_t a) { return runtime::internal::RoundUpOrThrow(n, a, "shared memory"); }
 
 // Size classes: powers of two from 64 B, then 1 MiB steps... keep it simple: powers of two.
 size_t SizeClass(size_t n) {
@@ -91,18 +84,32 @@ class Segment {
   size_t size = 0;
   uint64_t id = 0;
   bool owned = false;
+  uint64_t generation = 0;  // runtime::ForkGeneration() when it was created
   // Allocation state (owned segments only), guarded by the arena's mutex.
   size_t bump = kHeaderBytes;
   int live_blocks = 0;
+  // Every reference left is in flight in a queue that no longer exists (EmptyCache found it).
+  bool only_dead_refs = false;
+  // A dedicated segment of this process's that is on the arena's `lingering` list.
+  bool lingering = false;
+  bool dedicated = false;  // holds one block, never reused (set where it was created)
 
   ~Segment() {
-    // A named segment is unlinked by its creator only when no reference to any of its blocks is
-    // left anywhere (none in flight either); otherwise the shm manager unlinks it later.
-    if (owned && kind == SegmentKind::kNamed && !name.empty() && base != nullptr &&
-        header()->live_refs.load() == 0) {
+    // A named segment is unlinked by its creator when no reference to any of its blocks is left
+    // anywhere (none in flight in a live queue either); a dedicated one also by whichever process
+    // drops its count to zero (~SharedBlock), and the shm manager unlinks what is left after the
+    // creator's death (the lifetime rule of mp/internal/shm_manager.h).
+    // A creation that failed half-way (base not mapped yet) is unlinked at once.
+    if (OwnedHere() && kind == SegmentKind::kNamed && !name.empty() &&
+        (base == nullptr || header()->live_refs.load() == 0 || only_dead_refs)) {
       shm_unlink(name.c_str());
     }
     if (base != nullptr) munmap(base, size);
+  }
+  // Created by this very process (not inherited from the parent): only then may it hand out
+  // blocks, and unlink its name.
+  bool OwnedHere() const {
+    return owned && generation == runtime::ForkGeneration();
   }
   SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base); }
   BlockHeader* block(uint64_t offset) const {
@@ -113,6 +120,11 @@ class Segment {
 struct SharedArena::Impl {
   std::mutex mu;
   std::vector<std::shared_ptr<Segment>> owned;            // this process's segments
+  // Dedicated named segments of this process whose last block here was dropped while references
+  // remained elsewhere (in flight, or in other processes): kept until those go (the process that
+  // drops the count to zero unlinks the name) or are found dead (EmptyCache), so that such a
+  // segment is never left in /dev/shm for the creator's lifetime.
+  std::vector<std::shared_ptr<Segment>> lingering;
   std::map<size_t, std::vector<std::pair<std::weak_ptr<Segment>, uint64_t>>> free_bins;
   std::deque<std::pair<std::weak_ptr<Segment>, uint64_t>> pending;  // freed here, held elsewhere
   std::set<std::pair<const Segment*, uint64_t>> pending_set;          // what `pending` holds
@@ -131,11 +143,12 @@ std::string SegmentKey(SegmentKind kind, uint64_t id) {
   return absl::StrCat(static_cast<int>(kind), ":", id);
 }
 
-std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind) {
+std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind, uint32_t flags) {
   auto seg = std::make_shared<Segment>();
   seg->kind = kind;
   seg->size = size;
   seg->owned = true;
+  seg->generation = runtime::ForkGeneration();
   int fd;
   if (kind == SegmentKind::kMemfd) {
     fd = PrivateMemfd("forksafe:tensor-arena");
@@ -150,18 +163,25 @@ std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind) {
     // 128 bits from getrandom(): not guessable, and a forked child does not repeat its
     // parent's sequence (a seeded generator copied by fork() would).
     seg->name = absl::StrCat(SharedArena::NamePrefix(), RandomHex128());
+    // The manager learns the name before it exists: a SIGKILL at any moment from here on leaves
+    // nothing behind (the manager removes it, or finds it never was).
+    ShmManagerTrack(seg->name);
     fd = shm_open(seg->name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   }
-  if (fd < 0) ThrowNoSpace(errno, size, kind);
+  if (fd < 0) {
+    const int err = errno;
+    seg->name.clear();  // not ours to unlink
+    ThrowNoSpace(err, size, kind);
+  }
   seg->fd.reset(fd);
-  if (kind == SegmentKind::kNamed) ShmManagerTrack(seg->name);
+  // From here on a failure unlinks the name (the segment's destructor: owned, no references).
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) ThrowNoSpace(errno, size, kind);
   // Reserve the memory now: a full tmpfs is an error here, not a SIGBUS at first touch.
   const int rc = posix_fallocate(fd, 0, static_cast<off_t>(size));
   if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) ThrowNoSpace(rc, size, kind);
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) ThrowNoSpace(errno, size, kind);
-  seg->base = static_cast<char*>(p);
+  seg->base = static_cast<char*>(p);  // zero-filled: no references, no carriers
   struct stat st;
   fstat(fd, &st);
   seg->id = kind == SegmentKind::kMemfd ? static_cast<uint64_t>(st.st_ino) : RandomU64();
@@ -172,6 +192,7 @@ std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind) {
   h->creator = getpid();
   h->live_refs.store(0);
   h->pid_ns = PidNamespaceId();
+  h->flags = flags;
   return seg;
 }
 
@@ -184,17 +205,32 @@ SharedArena& SharedArena::Get() {
 
 SharedArena::SharedArena() : impl_(new Impl()) {
   // A forked child inherits the mappings (MAP_SHARED, so they stay shared) but not the right to
-  // hand out blocks from the parent's segments: it starts an allocator of its own. Imported
-  // segments stay valid and cached.
+  // hand out blocks from the parent's segments: it starts an allocator of its own. After a fork
+  // whose prepare took the lock, the segments it had mapped stay mapped and are found again by
+  // Import; after one that could not, the child's arena starts empty (inherited blocks keep their
+  // segments mapped, but a segment coming back is mapped anew).
   static int tag;
   runtime::AtForkHandler h;
   h.name = "mp_shared_arena";
-  h.prepare = [this](const runtime::PrepareAttempt&) {
-    impl_->mu.lock();
-    return true;
+  // The lock is taken the one way a prepare may take a mutex (runtime::LockForFork): bounded.
+  h.prepare = [this](const runtime::PrepareAttempt& attempt) {
+    return runtime::LockForFork(impl_->mu, attempt);
   };
-  h.parent = [this](bool) { impl_->mu.unlock(); };
-  h.child = [this](bool) {
+  h.parent = [this](bool prepared) {
+    if (prepared) impl_->mu.unlock();
+  };
+  h.child = [this](bool prepared) {
+    // runtime::ForkGeneration() moved on before this ran: blocks and segments made before the
+    // fork are the parent's from here on ("Blocks across fork" in the header; a child of a fork
+    // that could not take the lock keeps the segments' `owned` flags, and OwnedHere() is false).
+    if (!prepared) {
+      // The lock's holder (another thread, gone here) may have been half-way through changing
+      // the arena: abandon all of it (leaked, never read again) and start empty. Inherited
+      // blocks keep their segments mapped through their own references; the generation keeps
+      // the parent's segments from being allocated from or unlinked here.
+      impl_ = new Impl();
+      return;
+    }
     // Keep the parent's segments mapped (tensors inherited by the child point into them) but
     // stop allocating from them: move them to the imported set.
     for (auto& seg : impl_->owned) {
@@ -212,9 +248,11 @@ SharedArena::SharedArena() : impl_(new Impl()) {
     using Bins = decltype(impl_->free_bins);
     using Pending = decltype(impl_->pending);
     using PendingSet = decltype(impl_->pending_set);
+    using Segments = decltype(impl_->lingering);
     new (&impl_->free_bins) Bins();
     new (&impl_->pending) Pending();
     new (&impl_->pending_set) PendingSet();
+    new (&impl_->lingering) Segments();  // the parent's to unlink, not ours
     impl_->mu.unlock();
   };
   runtime::AtForkRegistry::Get().Register(&tag, std::move(h));
@@ -223,12 +261,131 @@ SharedArena::SharedArena() : impl_(new Impl()) {
   runtime::internal::RegisterKeptResources("mp_shared_arena", nullptr, [this] { ReleaseCaches(); });
 }
 
+std::unique_lock<std::mutex> SharedArena::LockForTesting() {
+  return std::unique_lock<std::mutex>(impl_->mu);
+}
+
 std::string SharedArena::NamePrefix() { return absl::StrCat("/forksafe_", getpid(), "_"); }
 
+namespace {
+
+// Segments of this process whose blocks are all free here although references are left
+// elsewhere, with their counts taken BEFORE a scan of /proc (see RefSnapshot): the candidates
+// for being held only by dead queues.
+using Candidates = std::vector<std::pair<std::shared_ptr<Segment>, RefSnapshot>>;
+
+Candidates NeedingScan(SharedArena::Impl& a) {
+  Candidates out;
+  for (auto* list : {&a.owned, &a.lingering}) {
+    for (auto& seg : *list) {
+      if (seg->live_blocks == 0 && seg->header()->live_refs.load() != 0) {
+        out.emplace_back(seg, SnapshotRefs(seg->header()));
+      }
+    }
+  }
+  return out;
+}
+
+// Segments of this process whose blocks are all free here and that no reference anywhere can use
+// any more: none left, or only in-flight ones in queues that no process holds (messages never
+// read; judged from `scan`, taken after `candidates` with the lock released, when there is one).
+// Removed from `a.owned` / `a.lingering`; the caller drops them (unmapped, and unlinked for
+// file_system), outside the lock where it can.
+std::vector<std::shared_ptr<Segment>> TakeUnusedSegments(SharedArena::Impl& a,
+                                                         const Candidates& candidates,
+                                                         const ProcScan* scan) {
+  std::vector<std::shared_ptr<Segment>> out;
+  for (auto* list : {&a.owned, &a.lingering}) {
+    for (auto it = list->begin(); it != list->end();) {
+      Segment& s = **it;
+      bool unused = false;
+      if (s.live_blocks == 0) {
+        if (s.header()->live_refs.load() == 0) {
+          unused = true;
+        } else if (scan != nullptr && scan->complete) {
+          for (const auto& [seg, before] : candidates) {
+            if (seg.get() == &s) {
+              unused = s.only_dead_refs =
+                  OnlyDeadCarriersHold(s.header(), before, scan->live_carriers);
+            }
+          }
+        }
+      }
+      if (unused) {
+        out.push_back(std::move(*it));
+        it = list->erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  return out;
+}
+
+// Drops the dedicated segments of `a.lingering` whose count reached zero (their names went with
+// the last reference): moved to `out`, for the caller to unmap outside the lock. No scan.
+void TakeFinishedLingering(SharedArena::Impl& a, std::vector<std::shared_ptr<Segment>>& out) {
+  for (auto it = a.lingering.begin(); it != a.lingering.end();) {
+    if ((*it)->header()->live_refs.load() == 0) {
+      out.push_back(std::move(*it));
+      it = a.lingering.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// CreateSegment(size), and when memory or /dev/shm is short: give back what the cache holds
+// (segments whose blocks are all free, or held only by dead queues; the scan of /proc for those
+// runs with the lock released), start again from the smallest segment size, and try once more
+// with the least size that serves the request. Pressure that went away does not leave the arena
+// failing (the size does not grow on failures).
+std::shared_ptr<Segment> CreateWithRecovery(SharedArena::Impl& a, std::unique_lock<std::mutex>& lk,
+                                            size_t& size, size_t least, SegmentKind kind,
+                                            uint32_t flags) {
+  try {
+    return CreateSegment(size, kind, flags);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kResourceExhausted) throw;
+    Candidates candidates = NeedingScan(a);
+    std::optional<ProcScan> scan;
+    if (!candidates.empty()) {
+      lk.unlock();  // never scan /proc with the lock held: it would stall every allocation
+      scan = ScanProc();
+      lk.lock();
+    }
+    std::vector<std::shared_ptr<Segment>> unused =
+        TakeUnusedSegments(a, candidates, scan ? &*scan : nullptr);
+    candidates.clear();
+    for (auto& seg : unused) seg->bump = seg->size;  // never handed out again
+    unused.clear();  // unmapped (and unlinked) now: the room comes back before the retry
+    a.next_segment = kMinSegment;
+    size = least;
+    return CreateSegment(size, kind, flags);
+  }
+}
+
+}  // namespace
+
 std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kind, bool cached) {
+  // Before any arithmetic on `bytes` and before anything is reserved: more than the system can
+  // give is kResourceExhausted now, not an OOM kill while fallocate fills memory.
+  // The arena's own cache counts against what is free: when the request does not fit, give the
+  // cache back first and judge again.
+  const auto use = kind == SegmentKind::kNamed ? runtime::internal::MemoryUse::kSharedNamed
+                                               : runtime::internal::MemoryUse::kShared;
+  try {
+    runtime::internal::CheckMemoryAvailable(bytes, use, "shared memory for a tensor");
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kResourceExhausted) throw;
+    EmptyCache();
+    runtime::internal::CheckMemoryAvailable(bytes, use, "shared memory for a tensor");
+  }
   const size_t cls = SizeClass(std::max<size_t>(bytes, 1));
   Impl& a = *impl_;
-  std::lock_guard<std::mutex> lk(a.mu);
+  std::vector<std::shared_ptr<Segment>> finished;  // unmapped after the lock is released
+  std::unique_lock<std::mutex> lk(a.mu);
+  TakeFinishedLingering(a, finished);
   auto make = [&](const std::shared_ptr<Segment>& seg, uint64_t off) {
     BlockHeader* b = seg->block(off);
     b->refs.store(1);
@@ -279,10 +436,12 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
       b->size = cls;
       return make(*it, off);
     }
-    // 4. A new segment, twice the size of the last (up to a cap).
-    size_t seg_size = std::max(a.next_segment, RoundUp(kHeaderBytes + need, 4096));
-    a.next_segment = std::min(a.next_segment * 2, kMaxSegment);
-    auto seg = CreateSegment(seg_size, kind);
+    // 4. A new segment, twice the size of the last (up to a cap). The size grows only when a
+    //    segment was made: a failed attempt never makes the next one bigger.
+    const size_t least = RoundUp(kHeaderBytes + need, 4096);
+    size_t seg_size = std::max(a.next_segment, least);
+    auto seg = CreateWithRecovery(a, lk, seg_size, least, kind, 0);
+    a.next_segment = std::min(std::max(a.next_segment, seg_size) * 2, kMaxSegment);
     ++a.stats.segments_created;
     a.stats.bytes_reserved += seg_size;
     a.owned.push_back(seg);
@@ -295,8 +454,9 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
     return make(seg, off);
   }
   // A dedicated segment (large block, or caching disabled).
-  const size_t seg_size = RoundUp(kHeaderBytes + kBlockHeader + std::max<size_t>(bytes, 1), 4096);
-  auto seg = CreateSegment(seg_size, kind);
+  size_t seg_size = RoundUp(kHeaderBytes + kBlockHeader + std::max<size_t>(bytes, 1), 4096);
+  auto seg = CreateWithRecovery(a, lk, seg_size, seg_size, kind, kSegmentDedicated);
+  seg->dedicated = true;
   ++a.stats.segments_created;
   a.stats.bytes_reserved += seg_size;
   a.imported[SegmentKey(seg->kind, seg->id)] = seg;  // so that it is found when it comes back
@@ -305,7 +465,8 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
   BlockHeader* b = seg->block(off);
   b->magic = kBlockMagic;
   b->size = seg_size - off;
-  // Not kept in `owned`: the segment goes away with its last block.
+  // Not kept in `owned`: the segment goes away with its last block (its name with the last
+  // reference anywhere; see ~SharedBlock).
   return make(seg, off);
 }
 
@@ -390,21 +551,30 @@ std::shared_ptr<SharedBlock> SharedArena::Import(SharedBlock::Handle h) {
   CheckBlockPlacement(h.offset, h.size, seg->size);
   BlockHeader* b = seg->block(h.offset);
   if (b->magic != kBlockMagic || h.size > b->size) throw malformed("not a block");
-  // Adopt the in-flight reference the exporter took for us.
+  // Adopt the in-flight reference the exporter took for us: it is ours now, not the queue's.
+  DropCarrierRef(seg->header(), h.carrier);
   return std::shared_ptr<SharedBlock>(
       new SharedBlock(seg, h.offset, seg->base + h.offset, static_cast<size_t>(h.size), false));
 }
 
 void SharedArena::EmptyCache() {
-  Impl& a = *impl_;
-  std::lock_guard<std::mutex> lk(a.mu);
-  for (auto it = a.owned.begin(); it != a.owned.end();) {
-    if ((*it)->live_blocks == 0 && (*it)->header()->live_refs.load() == 0) {
-      it = a.owned.erase(it);
-    } else {
-      ++it;
-    }
+  // The counts are taken under the lock, then /proc is scanned without it (a scan takes
+  // milliseconds per process; holding the lock would stall every allocation and free, and the
+  // fork prepare), then the verdicts are applied under the lock again.
+  Candidates candidates;
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    candidates = NeedingScan(*impl_);
   }
+  std::optional<ProcScan> scan;
+  if (!candidates.empty()) scan = ScanProc();
+  std::vector<std::shared_ptr<Segment>> unused;
+  {
+    std::lock_guard<std::mutex> lk(impl_->mu);
+    unused = TakeUnusedSegments(*impl_, candidates, scan ? &*scan : nullptr);
+    if (!unused.empty()) impl_->next_segment = kMinSegment;
+  }
+  // Unmapped (and unlinked) here, outside the lock.
 }
 
 void SharedArena::ReleaseCaches() {
@@ -428,18 +598,39 @@ ArenaStats SharedArena::stats() const {
 SharedBlock::SharedBlock(std::shared_ptr<Segment> seg, uint64_t offset, void* data, size_t size,
                          bool allocated_here)
     : seg_(std::move(seg)), allocated_here_(allocated_here), offset_(offset), data_(data),
-      size_(size) {}
+      size_(size), generation_(runtime::ForkGeneration()) {}
 
 SharedBlock::~SharedBlock() {
+  // Inherited through fork(): holds no reference here ("Blocks across fork" in the header).
+  if (generation_ != runtime::ForkGeneration()) return;
   BlockHeader* b = seg_->block(offset_);
-  seg_->header()->live_refs.fetch_sub(1);
+  SegmentHeader* h = seg_->header();
+  const int32_t seg_left = h->live_refs.fetch_sub(1) - 1;
   const int32_t left = b->refs.fetch_sub(1) - 1;
-  if (!seg_->owned) return;  // only the creator's allocator reuses blocks
+  // A dedicated segment (one block, never reused): whichever process drops the last reference
+  // anywhere unlinks its name (the creator may have let go first while the block was in flight).
+  // The creator trusts its own record; others the header.
+  const bool dedicated =
+      seg_->OwnedHere() ? seg_->dedicated : (h->flags & kSegmentDedicated) != 0;
+  if (dedicated && seg_left == 0 && seg_->kind == SegmentKind::kNamed && !seg_->name.empty()) {
+    shm_unlink(seg_->name.c_str());
+  }
+  if (!seg_->OwnedHere()) return;  // only the creator's allocator reuses blocks
   SharedArena::Impl& a = *SharedArena::Get().impl_;
+  std::vector<std::shared_ptr<Segment>> finished;  // unmapped after the lock is released
   std::lock_guard<std::mutex> lk(a.mu);
   if (allocated_here_) --seg_->live_blocks;
-  const bool dedicated = seg_->bump >= seg_->size;
-  if (dedicated) return;  // a segment of its own: it dies with its last reference here
+  if (dedicated) {
+    // The creator's last block is gone but references remain elsewhere: keep the segment on the
+    // lingering list so that EmptyCache finds it if only dead queues hold it.
+    TakeFinishedLingering(a, finished);
+    if (seg_left > 0 && seg_->live_blocks == 0 && seg_->kind == SegmentKind::kNamed &&
+        !seg_->lingering) {
+      seg_->lingering = true;
+      a.lingering.push_back(seg_);
+    }
+    return;
+  }
   const std::pair<const Segment*, uint64_t> id{seg_.get(), offset_};
   if (left == 0) {
     // Free everywhere, and this process saw it happen: reusable now (and no longer pending).
@@ -453,6 +644,16 @@ SharedBlock::~SharedBlock() {
 std::string SharedBlock::key() const { return absl::StrCat(seg_->id, "@", offset_); }
 
 int32_t SharedBlock::shared_count() const { return seg_->block(offset_)->refs.load(); }
+
+namespace {
+// Undoes Export() for a message that was never put (InFlightScope::OnCancel).
+void GiveBackInFlight(void* segment, uint64_t offset, uint64_t carrier) {
+  auto* seg = static_cast<Segment*>(segment);
+  DropCarrierRef(seg->header(), carrier);
+  seg->block(offset)->refs.fetch_sub(1);
+  seg->header()->live_refs.fetch_sub(1);
+}
+}  // namespace
 
 SharedBlock::Handle SharedBlock::Export() const {
   Handle h;
@@ -469,6 +670,12 @@ SharedBlock::Handle SharedBlock::Export() const {
   h.size = size_;
   seg_->block(offset_)->refs.fetch_add(1);  // the in-flight reference
   seg_->header()->live_refs.fetch_add(1);
+  if (InFlightScope* scope = InFlightScope::Current()) {
+    h.carrier = scope->carrier();
+    AddCarrierRef(seg_->header(), h.carrier);
+    // Given back if the message is never put (the scope is not committed).
+    scope->OnCancel(seg_, &GiveBackInFlight, offset_);
+  }
   return h;
 }
 

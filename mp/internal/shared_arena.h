@@ -10,8 +10,38 @@
 // Lifetimes: a block's shared count is the number of live references in all processes plus the
 // references in flight (exported, not yet imported). Exporting increments it; importing adopts
 // the in-flight reference. The process that created the segment reuses a block once the count
-// drops to zero (its caching allocator keeps freed blocks by size class). The segment's memory
-// goes back to the kernel when every process has unmapped it.
+// drops to zero (its caching allocator keeps freed blocks by size class). A block over 16 MiB (or
+// any block with the cache off) gets a dedicated segment, never reused: whichever process drops
+// its count to zero unlinks its name (file_system), so it is never left in /dev/shm while its
+// creator lives; when the creator lets go while references remain elsewhere, it keeps the segment
+// on a list that EmptyCache checks for references held only by dead queues. The segment's memory
+// goes back to the kernel when it is unlinked (or a memfd) and every process has unmapped it and
+// closed its descriptors.
+//
+// Blocks across fork(): a SharedBlock that a forked child inherits (a copy of the parent's
+// object, made by fork itself) holds no reference of the child's: dropping it there gives nothing
+// back, so the parent's counts stay true whatever the child does, _exit and SIGKILL included (a
+// reference taken for the child at the fork would be lost by every child that exits without
+// running destructors, and pin the segment for ever). Hazard: the block stays the parent's; once
+// the parent lets go of it, it may be reused under the child. A forked child may use an inherited
+// tensor for as long as the parent keeps it (a Process keeps its arguments until it is
+// destroyed); to own one, receive it through a Queue or Pipe, which takes a reference.
+//
+// In-flight references (the rule, for both segment kinds): a reference exported while a message
+// is encoded for a Queue (an InFlightScope, mp/internal/shared_segment.h) is counted in the
+// segment header under that queue's identity (mp/internal/shm_manager.h, SegmentHeader), and
+// the handle says which queue; the import that adopts it takes it off that queue's count. So:
+//   - a segment stays while such a message is unread and some process holds the queue, even
+//     after its creator exited (file_system: the name stays; file_descriptor: the descriptor
+//     travels in the queue);
+//   - a message that is never put (refused, timed out) gives its references back at once; one
+//     that is put hands them to the queue at the commit point (Queue::PutMessage commits the
+//     scope there, and nothing after it throws);
+//   - references in flight in a queue that no process holds any more (messages never read) are
+//     dead: a segment that only they hold is freed (EmptyCache in the creator, the shm manager
+//     after it), although its count is not zero. "No process holds it" comes from a scan of
+//     /proc taken after a snapshot of the segment's counts (RefSnapshot), never under the
+//     arena's lock; see the Hazard of mp/internal/shm_manager.h for queues in transit.
 #ifndef FORKSAFE_MP_INTERNAL_SHARED_ARENA_H_
 #define FORKSAFE_MP_INTERNAL_SHARED_ARENA_H_
 
@@ -20,6 +50,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "mp/codec.h"
@@ -56,10 +87,11 @@ class SharedBlock {
     uint64_t segment_id = 0;
     uint64_t offset = 0;
     uint64_t size = 0;
+    uint64_t carrier = 0;  // the queue whose message holds the in-flight reference (0: none)
 
     template <class Archive>
     void save(Archive& ar) const {
-      ar(static_cast<uint8_t>(kind), fd, name, segment_id, offset, size);
+      ar(static_cast<uint8_t>(kind), fd, name, segment_id, offset, size, carrier);
     }
     template <class Archive>
     void load(Archive& ar) {
@@ -68,11 +100,13 @@ class SharedBlock {
       if (k > static_cast<uint8_t>(SegmentKind::kNamed)) ThrowMalformed("unknown segment kind");
       kind = static_cast<SegmentKind>(k);
       fd = FileDescriptor::LoadBorrowed(ar);  // Import dups it only for a segment new here
-      ar(name, segment_id, offset, size);
+      ar(name, segment_id, offset, size, carrier);
     }
   };
 
-  /// Makes a handle for another process, with one in-flight reference it will adopt.
+  /// Makes a handle for another process, with one in-flight reference it will adopt. Inside an
+  /// InFlightScope the reference is the scope's queue's, and given back if the scope is not
+  /// committed.
   Handle Export() const;
 
  private:
@@ -84,6 +118,8 @@ class SharedBlock {
   uint64_t offset_;
   void* data_;
   size_t size_;
+  // The process generation it was made in (see "Blocks across fork" above).
+  uint64_t generation_;
 };
 
 /// Checks what a handle from another process says without touching any segment: a named
@@ -113,14 +149,18 @@ class SharedArena {
 
   /// A block of at least `bytes` bytes (0 allowed) of segment kind `kind`. When `cached` is
   /// false the block gets a fresh segment of its own (for measuring what the cache saves).
-  /// Throws kResourceExhausted (saying whether memory, /dev/shm or descriptors ran out).
+  /// When memory or /dev/shm is short, the cache is given back and the least segment that serves
+  /// the request is tried before giving up. Throws kResourceExhausted (saying whether memory,
+  /// /dev/shm or descriptors ran out).
   std::shared_ptr<SharedBlock> Allocate(size_t bytes, SegmentKind kind, bool cached = true);
 
   /// Maps the block behind `handle` (the segment is mapped once per process and cached) and
   /// adopts its in-flight reference. Throws kInvalidArgument for a malformed handle.
   std::shared_ptr<SharedBlock> Import(SharedBlock::Handle handle);
 
-  /// Unmaps segments of this process's cache whose blocks are all free.
+  /// Unmaps segments of this process's cache whose blocks are all free, and those (dedicated
+  /// ones included) whose only references left are in flight in queues that no process holds
+  /// (scans /proc then, with the arena's lock released).
   void EmptyCache();
 
   /// EmptyCache(), and also lets go of the recently imported segments kept mapped for speed
@@ -133,9 +173,14 @@ class SharedArena {
   /// Prefix of named segments ("/forksafe_<pid>_"), for the shm manager.
   static std::string NamePrefix();
 
+  /// Holds the arena's lock, for tests of a fork whose prepare cannot take it.
+  std::unique_lock<std::mutex> LockForTesting();
+
+ public:
+  struct Impl;  // defined in shared_arena.cc
+
  private:
   SharedArena();
-  struct Impl;
   Impl* impl_;
   friend class SharedBlock;
   friend class Segment;

@@ -50,6 +50,21 @@ uint64_t RandomU64() {
   return v;
 }
 
+namespace {
+thread_local InFlightScope* t_in_flight = nullptr;
+}  // namespace
+
+InFlightScope::InFlightScope(uint64_t carrier) : carrier_(carrier), previous_(t_in_flight) {
+  t_in_flight = this;
+}
+
+InFlightScope::~InFlightScope() {
+  t_in_flight = previous_;
+  for (auto& [keep, undo, arg] : undo_) undo(keep.get(), arg, carrier_);
+}
+
+InFlightScope* InFlightScope::Current() { return t_in_flight; }
+
 SharedSegment::~SharedSegment() {
   if (data_ != nullptr) munmap(data_, size_);
 }

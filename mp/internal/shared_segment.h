@@ -7,8 +7,10 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
 #include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "mp/codec.h"
 
@@ -25,6 +27,39 @@ std::string RandomBytes(size_t n);
 std::string RandomHex128();
 /// 64 random bits from RandomBytes().
 uint64_t RandomU64();
+
+/// The in-flight references a message takes while it is encoded for a Queue (mp/queue.h): which
+/// queue carries them (its identity, so that the shm manager keeps their segments while the
+/// queue exists: mp/internal/shm_manager.h), and how to give them back if the message is never
+/// put (a refused or timed-out put must not pin memory). One per thread at a time (nests).
+class InFlightScope {
+ public:
+  /// Becomes this thread's current scope; `carrier` is the queue's identity.
+  explicit InFlightScope(uint64_t carrier);
+  /// Gives back every reference taken, unless Commit() was called; restores the previous scope.
+  ~InFlightScope();
+  InFlightScope(const InFlightScope&) = delete;
+  InFlightScope& operator=(const InFlightScope&) = delete;
+
+  /// The message is in the queue: its references are the queue's now. Idempotent; Queue's
+  /// PutMessage calls it at the message's commit point, so that nothing thrown after the commit
+  /// gives back references that a queued message holds.
+  void Commit() { undo_.clear(); }
+  uint64_t carrier() const { return carrier_; }
+  /// This thread's scope, or nullptr (the message goes elsewhere: a Pipe, a Process argument).
+  static InFlightScope* Current();
+  /// Registers how to give back one reference: `undo(keep.get(), arg, carrier())`; `keep` keeps
+  /// what it refers to alive until then.
+  using Undo = void (*)(void* keep, uint64_t arg, uint64_t carrier);
+  void OnCancel(std::shared_ptr<void> keep, Undo undo, uint64_t arg) {
+    undo_.emplace_back(std::move(keep), undo, arg);
+  }
+
+ private:
+  uint64_t carrier_;
+  InFlightScope* previous_;
+  std::vector<std::tuple<std::shared_ptr<void>, Undo, uint64_t>> undo_;
+};
 
 /// A mapped memfd. Move-only; unmaps and closes on destruction.
 class SharedSegment {

@@ -12,8 +12,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -67,39 +68,8 @@ pid_t CreatorOf(const std::string& entry) {
 
 bool Alive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
 
-// Names ("forksafe_...") of /dev/shm entries that some process maps right now.
-std::set<std::string> MappedNames() {
-  std::set<std::string> out;
-  DIR* proc = opendir("/proc");
-  if (proc == nullptr) return out;
-  while (dirent* e = readdir(proc)) {
-    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
-    std::ifstream maps(absl::StrCat("/proc/", e->d_name, "/maps"));
-    std::string line;
-    while (std::getline(maps, line)) {
-      const size_t at = line.find("/dev/shm/forksafe_");
-      if (at == std::string::npos) continue;
-      std::string name = line.substr(at + 9);
-      const size_t sp = name.find(' ');
-      if (sp != std::string::npos) name.resize(sp);
-      out.insert(name);
-    }
-  }
-  closedir(proc);
-  return out;
-}
-
-// The start of a segment (see shared_arena.cc's SegmentHeader).
-struct Header {
-  uint64_t magic, size, id;
-  int32_t creator;
-  int32_t live_refs;
-  uint64_t pid_ns;
-};
-constexpr uint64_t kSegmentMagic = 0x66736172656e6131ull;  // "fsarena1"
-
 // Maps the header page of segment `entry` read-only; nullptr when it has none (yet).
-const Header* MapHeader(const std::string& entry) {
+const SegmentHeader* MapHeader(const std::string& entry) {
   const int fd = shm_open(("/" + entry).c_str(), O_RDONLY | O_CLOEXEC, 0);
   if (fd < 0) return nullptr;
   struct stat st;
@@ -108,25 +78,69 @@ const Header* MapHeader(const std::string& entry) {
     p = mmap(nullptr, 4096, PROT_READ, MAP_SHARED, fd, 0);
   }
   ::close(fd);
-  return p == MAP_FAILED ? nullptr : static_cast<const Header*>(p);
+  return p == MAP_FAILED ? nullptr : static_cast<const SegmentHeader*>(p);
 }
 
-// The segment's count of live references, or -1.
-int32_t LiveRefs(const std::string& entry) {
-  const Header* h = MapHeader(entry);
-  if (h == nullptr) return -1;
-  const int32_t refs = __atomic_load_n(&h->live_refs, __ATOMIC_ACQUIRE);
-  munmap(const_cast<Header*>(h), 4096);
-  return refs;
+// What the manager decides about a segment of a dead creator.
+enum class Verdict { kKeep, kRemove };
+
+// What the manager knew of a segment before it scanned /proc: whether it had a forksafe header,
+// and its counts then (the order matters, see RefSnapshot in shm_manager.h).
+struct Before {
+  bool exists = false;  // shm_open worked
+  bool header = false;  // a complete forksafe header
+  RefSnapshot refs;
+};
+
+Before Snapshot(const std::string& entry) {
+  Before b;
+  const SegmentHeader* h = MapHeader(entry);
+  if (h == nullptr) return b;
+  b.exists = true;
+  b.header = h->magic == kSegmentMagic;
+  if (b.header) b.refs = SnapshotRefs(h);
+  munmap(const_cast<SegmentHeader*>(h), 4096);
+  return b;
+}
+
+// A segment whose creator is gone goes when nothing references it; and, judged by `scan` (taken
+// after `before`, and complete), when every reference left is in flight in queues that no
+// process holds, or when no process maps it and no queue that still exists holds a message
+// referring to it (the lifetime rule of shm_manager.h). Without `scan` only the count is used.
+Verdict Judge(const std::string& entry, const Before* before, const ProcScan* scan) {
+  const bool judge_by_scan = before != nullptr && scan != nullptr && scan->complete;
+  const bool mapped = scan != nullptr && scan->mapped_names.count(entry) != 0;
+  const SegmentHeader* h = MapHeader(entry);
+  if (h == nullptr) return judge_by_scan && !mapped ? Verdict::kRemove : Verdict::kKeep;
+  Verdict v = Verdict::kKeep;
+  if (h->magic == kSegmentMagic) {
+    const int32_t refs = h->live_refs.load(std::memory_order_acquire);
+    if (refs == 0) {
+      v = Verdict::kRemove;
+    } else if (judge_by_scan && before->header) {
+      // A reader that adopted its reference before the snapshot mapped the segment before it,
+      // so the scan sees it (or its count dropped); one that adopts after found the reference
+      // in a carrier the snapshot names, which the scan sees held (or the reader's mapping).
+      if (OnlyDeadCarriersHold(h, before->refs, scan->live_carriers) ||
+          (!mapped && !HeldInFlight(before->refs, scan->live_carriers) &&
+           refs == before->refs.live_refs)) {
+        v = Verdict::kRemove;
+      }
+    }
+  } else if (judge_by_scan && before->exists && !before->header && !mapped) {
+    v = Verdict::kRemove;  // killed before its header was written
+  }
+  munmap(const_cast<SegmentHeader*>(h), 4096);
+  return v;
 }
 
 // Whether a forksafe process of this pid namespace made segment `entry` (its creator pid means
 // something here).
 bool MadeInThisNamespace(const std::string& entry) {
-  const Header* h = MapHeader(entry);
+  const SegmentHeader* h = MapHeader(entry);
   if (h == nullptr) return false;
   const bool ours = h->magic == kSegmentMagic && h->pid_ns == PidNamespaceId();
-  munmap(const_cast<Header*>(h), 4096);
+  munmap(const_cast<SegmentHeader*>(h), 4096);
   return ours;
 }
 
@@ -142,6 +156,150 @@ uint64_t PidNamespaceId() {
   return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
 }
 
+namespace {
+uint64_t Count(uint64_t word) { return word & 0xffffff; }
+uint64_t Id(uint64_t word) { return word >> 24; }
+}  // namespace
+
+void AddCarrierRef(SegmentHeader* h, uint64_t carrier) {
+  if (carrier == 0) return;
+  const uint64_t key = CarrierKey(carrier);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (InFlightCarrier& slot : h->carriers) {
+      uint64_t w = slot.load(std::memory_order_relaxed);
+      for (;;) {
+        const bool mine = Count(w) > 0 && Id(w) == key && Count(w) < 0xffffff;
+        const bool take = pass == 1 && Count(w) == 0;  // a free slot, on the second pass
+        if (!mine && !take) break;
+        const uint64_t next = mine ? w + 1 : (key << 24) | 1;
+        if (slot.compare_exchange_weak(w, next, std::memory_order_acq_rel)) return;
+      }
+    }
+  }
+  h->carrier_overflow.fetch_add(1, std::memory_order_acq_rel);
+}
+
+void DropCarrierRef(SegmentHeader* h, uint64_t carrier) {
+  if (carrier == 0) return;
+  const uint64_t key = CarrierKey(carrier);
+  for (InFlightCarrier& slot : h->carriers) {
+    uint64_t w = slot.load(std::memory_order_relaxed);
+    while (Count(w) > 0 && Id(w) == key) {
+      if (slot.compare_exchange_weak(w, w - 1, std::memory_order_acq_rel)) return;
+    }
+  }
+  int32_t o = h->carrier_overflow.load(std::memory_order_relaxed);
+  while (o > 0 && !h->carrier_overflow.compare_exchange_weak(o, o - 1)) {
+  }
+}
+
+namespace {
+
+// Adds what process `pid` maps to `out` (forksafe /dev/shm names, queue memfds). False when its
+// maps could not be read although it exists.
+bool ScanMapsOf(const std::string& pid, ProcScan& out) {
+  FILE* f = fopen(("/proc/" + pid + "/maps").c_str(), "re");
+  if (f == nullptr) return errno == ENOENT || errno == ESRCH;  // gone: holds nothing
+  char buf[4096];
+  while (fgets(buf, sizeof buf, f) != nullptr) {
+    const std::string line = buf;
+    if (const size_t at = line.find("/dev/shm/forksafe_"); at != std::string::npos) {
+      std::string name = line.substr(at + 9);
+      const size_t end = name.find_first_of(" \n");
+      if (end != std::string::npos) name.resize(end);
+      out.mapped_names.insert(name);
+    } else if (line.find("/memfd:forksafe:queue") != std::string::npos) {
+      // address perms offset dev inode path
+      unsigned long long inode = 0;
+      if (std::sscanf(line.c_str(), "%*s %*s %*s %*s %llu", &inode) == 1 && inode != 0) {
+        out.live_carriers.insert(CarrierKey(inode));
+      }
+    }
+  }
+  fclose(f);
+  return true;
+}
+
+// Adds the queues that process `pid` holds only as a descriptor (a Process argument kept by its
+// parent, a queue received but not mapped yet). False when its descriptors could not be read.
+bool ScanFdsOf(const std::string& pid, ProcScan& out) {
+  const std::string dir = "/proc/" + pid + "/fd";
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return errno == ENOENT || errno == ESRCH;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    const std::string path = dir + "/" + e->d_name;
+    char target[128];
+    const ssize_t n = readlink(path.c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    target[n] = '\0';
+    if (std::strncmp(target, "/memfd:forksafe:queue", 21) != 0) continue;
+    struct stat st;
+    if (stat(path.c_str(), &st) == 0) out.live_carriers.insert(CarrierKey(st.st_ino));
+  }
+  closedir(d);
+  return true;
+}
+
+}  // namespace
+
+ProcScan ScanProc() {
+  // A queue is held by a process as long as that process maps its segment (a memfd named
+  // "forksafe:queue", whose inode is the queue's identity, mp/queue.cc) or has a descriptor of it.
+  ProcScan out;
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) {
+    out.complete = false;
+    return out;
+  }
+  const uid_t me = geteuid();
+  while (dirent* e = readdir(proc)) {
+    if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+    const std::string pid = e->d_name;
+    const bool maps_ok = ScanMapsOf(pid, out);
+    const bool fds_ok = ScanFdsOf(pid, out);
+    if (!maps_ok || !fds_ok) {
+      // Unreadable: what it holds is unknown. Processes of other users are unreadable by design
+      // (and hold our queues only if given them); one of ours that is unreadable makes the scan
+      // incomplete, so that nothing is judged dead from it.
+      struct stat st;
+      if (stat(("/proc/" + pid).c_str(), &st) == 0 && st.st_uid == me) out.complete = false;
+    }
+  }
+  closedir(proc);
+  return out;
+}
+
+RefSnapshot SnapshotRefs(const SegmentHeader* h) {
+  RefSnapshot s;
+  // Carriers first, the total last: a reference adopted in between shows in neither or in the
+  // total only (the reader maps the segment before adopting), never as a carrier's alone.
+  for (int i = 0; i < kMaxCarriers; ++i) s.carriers[i] = h->carriers[i].load(std::memory_order_acquire);
+  s.overflow = h->carrier_overflow.load(std::memory_order_acquire);
+  s.live_refs = h->live_refs.load(std::memory_order_acquire);
+  return s;
+}
+
+bool HeldInFlight(const RefSnapshot& s, const std::set<uint64_t>& live) {
+  for (const uint64_t w : s.carriers) {
+    if (Count(w) > 0 && live.count(Id(w)) != 0) return true;
+  }
+  return false;
+}
+
+bool OnlyDeadCarriersHold(const SegmentHeader* h, const RefSnapshot& before,
+                          const std::set<uint64_t>& live) {
+  int64_t dead = 0;
+  for (const uint64_t w : before.carriers) {
+    if (Count(w) == 0) continue;
+    if (live.count(Id(w)) != 0) return false;
+    dead += static_cast<int64_t>(Count(w));
+  }
+  // The references in dead carriers are frozen (nobody can get from a queue no process holds, nor
+  // put into it): if the count now is theirs alone, no other reference exists.
+  return dead > 0 && dead == h->live_refs.load(std::memory_order_acquire);
+}
+
 int SweepOrphanedSegments() {
   std::set<std::string> candidates;
   DIR* d = opendir("/dev/shm");
@@ -153,12 +311,15 @@ int SweepOrphanedSegments() {
   }
   closedir(d);
   if (candidates.empty()) return 0;
-  const std::set<std::string> mapped = MappedNames();
-  int removed = 0;
+  std::map<std::string, Before> before;  // the counts BEFORE the scan (see Judge)
   for (const std::string& n : candidates) {
-    if (mapped.count(n) == 0 && MadeInThisNamespace(n) && shm_unlink(("/" + n).c_str()) == 0) {
-      ++removed;
-    }
+    if (MadeInThisNamespace(n)) before[n] = Snapshot(n);
+  }
+  const ProcScan scan = ScanProc();
+  int removed = 0;
+  for (const auto& [n, b] : before) {
+    if (scan.mapped_names.count(n) == 0 && Judge(n, &b, &scan) == Verdict::kRemove &&
+        shm_unlink(("/" + n).c_str()) == 0) ++removed;
   }
   return removed;
 }
@@ -223,19 +384,24 @@ void RunShmManager(int fd) {
     if (name) names.insert(std::move(*name));
   }
   // The client is gone: remove each of its segments once nobody references or maps it.
+  // Once a second the judgement uses a scan of /proc, taken AFTER a snapshot of each segment's
+  // counts (a scan older than the counts could miss a reader that mapped the segment and let go
+  // of the queue in between); in between, only a count of zero removes a segment.
   auto last_scan = std::chrono::steady_clock::now() - std::chrono::seconds(10);
   while (!names.empty()) {
-    std::set<std::string> mapped;
     const auto now = std::chrono::steady_clock::now();
-    const bool scan = now - last_scan >= std::chrono::seconds(1);
-    if (scan) {
-      mapped = MappedNames();
+    std::map<std::string, Before> before;
+    std::optional<ProcScan> scan;
+    if (now - last_scan >= std::chrono::seconds(1)) {
+      for (const std::string& n : names) before[n] = Snapshot(n);
+      scan = ScanProc();
       last_scan = now;
     }
     for (auto it = names.begin(); it != names.end();) {
       const bool gone = !Exists(*it);
-      const bool unused = LiveRefs(*it) == 0 || (scan && mapped.count(*it) == 0);
-      if (gone || unused) {
+      const auto b = before.find(*it);
+      if (gone || Judge(*it, b == before.end() ? nullptr : &b->second,
+                        scan ? &*scan : nullptr) == Verdict::kRemove) {
         shm_unlink(("/" + *it).c_str());
         it = names.erase(it);
       } else {

@@ -4,24 +4,57 @@
 // a manager: this same executable, spawned with --forksafe-shm-manager (InitMain runs it), talking
 // over an inherited socketpair that no other process can reach. The creator tells it each name it
 // creates. When the creator exits or is killed (the socket reaches end-of-file), the manager
-// removes every segment of it that no process references any more (the segment's shared count is
-// zero) or that no process maps any more (scanning /proc/*/maps), then exits. On start, a manager
-// also sweeps segments whose creator is dead and that nobody maps: what a killed manager (or a
-// crash before the manager started) left behind in an earlier run. The manager does nothing, the
+// removes each segment of it once the lifetime rule below says it is dead: its shared count is
+// zero, or every reference left is in flight in queues that no process holds, or no process maps
+// it and no queue that a process holds has a message referring to it (judged from a scan of
+// /proc taken after a snapshot of the segment's counts, ScanProc and RefSnapshot below); then it
+// exits. On start, a manager also sweeps segments whose creator is dead and that nobody maps,
+// by the same rule: what a killed manager (or a crash before the manager started) left behind in
+// an earlier run. The manager does nothing, the
 // sweep included, before its creator presented the secret it handed the manager on a private pipe
 // (mp/internal/server_auth.h, which also states the threat model); a connection without it is
 // closed unread and the manager exits. Names carry 128 bits from getrandom(). The creator's pid is
 // only meaningful in its own pid namespace, and /dev/shm is often shared by several (containers,
 // the sandboxes of a test runner): the sweep removes only segments whose header says they were
 // made in the sweeper's pid namespace, and leaves every other entry alone.
+//
+// Lifetime rule of a named segment (what keeps it, what frees it):
+//   - A cached segment (many blocks) lives while its creator lives (the creator's arena reuses
+//     its blocks), and after that while any reference to one of its blocks can still be used: a
+//     process maps it, or a message that refers to it sits unread in a Queue that some process
+//     still holds (an in-flight reference, counted in the segment header's carrier table under
+//     the queue's identity, see SegmentHeader). A tensor in a queue is a reference like any other.
+//   - A dedicated segment (one block: over 16 MiB, or the cache off; kSegmentDedicated) lives
+//     while any reference to its block can be used, whether its creator lives or not: whichever
+//     process drops its count to zero unlinks it at once (the creator, a reader, in any order).
+//   - A segment is unlinked when its count of references reaches zero (a cached one: by its
+//     creator when it gives its cache back, or by the manager after the creator's death), or when
+//     the only references left are dead ones: held by processes that died (nobody maps it) or in
+//     flight in queues that no process holds any more (messages never read). The creator does
+//     this for its own segments, dedicated ones included (SharedArena::EmptyCache), the manager
+//     after the creator's death, and the sweep for what a killed manager left.
+//   - The name is told to the manager BEFORE the segment is created, so a creator SIGKILLed at
+//     any moment while creating it (even before its manager started) leaves nothing behind.
+//   Messages on a Pipe or passed as Process arguments carry no carrier: their references count,
+//   but once the creator is dead only a mapping keeps such a segment (see docs/reliability.md).
+//
+// Hazard: "a process holds the queue" is what /proc shows: a process that maps the queue's ring
+// (a memfd "forksafe:queue") or has a descriptor of it (/proc/<pid>/fd). A queue that exists at
+// that moment only in transit (inside a message on a Pipe or in another Queue, not yet received,
+// with no process keeping a handle of its own) is invisible, so the segments that only its
+// unread messages reference count as dead and are freed: keep a handle of a queue while sending
+// it. A process of this user whose /proc entries cannot be read makes the scan incomplete, and
+// nothing is judged dead from it (processes of other users are not looked at).
 
 #ifndef FORKSAFE_MP_INTERNAL_SHM_MANAGER_H_
 #define FORKSAFE_MP_INTERNAL_SHM_MANAGER_H_
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "mp/codec.h"
@@ -29,6 +62,71 @@
 namespace forksafe::mp::internal {
 
 inline constexpr const char* kShmManagerFlag = "--forksafe-shm-manager";
+
+/// A queue that holds in-flight references to a segment's blocks, and how many, in one word so
+/// that processes update it with compare-and-swap alone (nothing to wedge when one dies): the
+/// carrier's identity (a queue segment's inode, CarrierKey()) in the high 40 bits, the count in
+/// the low 24. A slot whose count is 0 is free.
+using InFlightCarrier = std::atomic<uint64_t>;
+inline constexpr uint64_t CarrierKey(uint64_t id) { return id & ((uint64_t{1} << 40) - 1); }
+inline constexpr int kMaxCarriers = 64;
+inline constexpr uint64_t kSegmentMagic = 0x66736172656e6131ull;  // "fsarena1"
+/// SegmentHeader::flags: the segment holds one block and is never reused by its creator, so
+/// whichever process drops its count to zero unlinks its name (mp/internal/shared_arena.h).
+inline constexpr uint32_t kSegmentDedicated = 1;
+
+/// The start of every arena segment (file_descriptor and file_system alike), in its first page.
+/// The first 40 bytes are read by tools and tests: keep their layout.
+struct SegmentHeader {
+  uint64_t magic;
+  uint64_t size;
+  uint64_t id;
+  int32_t creator;
+  std::atomic<int32_t> live_refs;  // sum of the blocks' counts, in-flight references included
+  uint64_t pid_ns;                 // the creator's pid namespace (PidNamespaceId(), for the sweep)
+  std::atomic<int32_t> carrier_overflow;  // in-flight references whose carrier found no slot
+  uint32_t flags;                         // kSegmentDedicated
+  InFlightCarrier carriers[kMaxCarriers];  // in-flight references by the queue that holds them
+};
+static_assert(sizeof(SegmentHeader) <= 4096, "the segment header fits in its first page");
+
+/// Counts one in-flight reference to a block of `h` held by carrier `carrier` (0: none).
+void AddCarrierRef(SegmentHeader* h, uint64_t carrier);
+/// Gives one back (an import adopted it, or the message was never sent). Never goes below 0.
+void DropCarrierRef(SegmentHeader* h, uint64_t carrier);
+
+/// What one pass over /proc found: the /dev/shm names ("forksafe_...") that some process maps,
+/// and the carriers (queues) that some process holds, by mapping the queue's memfd or by a
+/// descriptor of it. `complete` is false when a process of this user could not be read: what it
+/// holds is unknown, so nothing may be judged dead from this scan.
+struct ProcScan {
+  std::set<std::string> mapped_names;
+  std::set<uint64_t> live_carriers;
+  bool complete = true;
+};
+ProcScan ScanProc();
+
+/// A copy of a segment header's counts. Judging a segment from a scan of /proc needs a snapshot
+/// taken BEFORE the scan: a reader that adopts its reference (taking it off its carrier) maps the
+/// segment first, so it shows in the scan or in the snapshot's carriers, never in neither.
+struct RefSnapshot {
+  int32_t live_refs = 0;
+  int32_t overflow = 0;
+  uint64_t carriers[kMaxCarriers] = {};
+};
+RefSnapshot SnapshotRefs(const SegmentHeader* h);
+
+/// Whether a reference to the segment may still be used although no process maps it: the
+/// snapshot has an in-flight reference in a queue that is still held (listed in `live`).
+/// References whose carrier is unknown (a Pipe, a Process argument, no free slot) do not count.
+bool HeldInFlight(const RefSnapshot& before, const std::set<uint64_t>& live);
+
+/// Whether every reference counted in `h` NOW is one the snapshot found in flight in a dead
+/// carrier (not in `live`, a scan taken after the snapshot): the segment can go although its
+/// count is not zero (messages never read). Such references are frozen: nobody can get from, or
+/// put into, a queue that no process holds.
+bool OnlyDeadCarriersHold(const SegmentHeader* h, const RefSnapshot& before,
+                          const std::set<uint64_t>& live);
 
 /// Tells this process's manager (started on first use) about a new named segment.
 /// Never throws: without a manager, the creator still unlinks its segments when it frees them.

@@ -11,6 +11,7 @@
 #include <ctime>
 
 #include "absl/strings/str_cat.h"
+#include "mp/timeout.h"
 #include "runtime/error.h"
 
 namespace forksafe::mp::internal {
@@ -32,13 +33,10 @@ void Check(int rc, const char* what) {
 }  // namespace
 
 Deadline DeadlineAfter(std::optional<std::chrono::duration<double>> timeout, const char* what) {
-  if (!timeout.has_value()) return std::nullopt;
-  if (timeout->count() < 0) {
-    throw runtime::Error(runtime::ErrorCode::kInvalidArgument,
-                         absl::StrCat(what, ": timeout must be >= 0 seconds, got ",
-                                      timeout->count(), "; pass no timeout to wait forever"));
-  }
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(*timeout);
+  // The one conversion of mp/timeout.h: NaN and negative throw, +infinity is forever.
+  const std::optional<Clock::duration> wait = CheckedWait(timeout, what);
+  if (!wait.has_value()) return std::nullopt;
+  return Clock::now() + *wait;
 }
 
 void RobustMutex::Init(bool recursive) {

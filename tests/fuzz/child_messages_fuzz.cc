@@ -1,7 +1,7 @@
 // tests/fuzz/child_messages_fuzz.cc: what a child, the fork server, a parent and the shm manager
 // decode from each other (mp/internal/child.h, mp/internal/shm_manager.h):
 //   0: a run request (parent -> spawned child or fork server), DecodeRunRequest;
-//   1: a report on a child's result channel ("hello", "failure", "exit"), DecodeChildReport;
+//   1: a report on a child's result channel ("hello", "failure", "exiting", "exit"), DecodeChildReport;
 //   2: the fork server's reply to a request (a pid or an error number), DecodeForkServerReply;
 //   3: a "track" request to the shm manager, DecodeTrackRequest.
 // Input: one byte (low 2 bits: which; bit 2: the run request must carry a result channel, as the
@@ -53,6 +53,10 @@ std::string Run(std::string_view input) {
             o << "exit";
             if (r.wait_status) o << " " << *r.wait_status;
             break;
+          case in::ChildReport::kExiting:
+            o << "exiting";
+            if (r.exit_code) o << " " << *r.exit_code;
+            break;
           case in::ChildReport::kOther: o << "other"; break;
         }
         break;
@@ -67,7 +71,8 @@ std::string Run(std::string_view input) {
       }
     }
   } catch (const Error& e) {
-    const bool server_error = (control & 3) == 2 && e.code() == ErrorCode::kInternal;
+    const bool server_error = (control & 3) == 2 && (e.code() == ErrorCode::kInternal ||
+                                                      e.code() == ErrorCode::kResourceExhausted);
     if (e.code() != ErrorCode::kInvalidArgument && !server_error) __builtin_trap();
     return ErrorText(e);
   }
@@ -110,7 +115,7 @@ std::vector<Seed> Seeds() {
                ControlByteInput(1, std::string("exit"), mp::Encode(int32_t{256}).bytes),
                "exit 256"});
   s.push_back({"server_pid", ControlByteInput(2, int32_t{4242}), "pid 4242"});
-  s.push_back({"server_enomem", ControlByteInput(2, int32_t{-12}), "error: internal"});
+  s.push_back({"server_enomem", ControlByteInput(2, int32_t{-12}), "error: resource_exhausted"});
   s.push_back({"track", ControlByteInput(3, std::string("track"), std::string("forksafe_12_ab")),
                "track forksafe_12_ab"});
   s.push_back({"track_bad_name",

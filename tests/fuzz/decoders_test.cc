@@ -1,5 +1,6 @@
 // tests/fuzz/decoders_test.cc: the checks the fuzz targets rely on, one by one: each input a peer
 // could send that once crashed a decoder, allocated without bound or was trusted.
+#include <cerrno>
 #include <climits>
 #include <cstring>
 #include <string>
@@ -127,7 +128,20 @@ TEST(SharedArena, BlockPlacement) {
 TEST(ChildMessages, ForkServerReplyIsAPidOrAnErrno) {
   Message m = Encode(int32_t{77});
   EXPECT_EQ(internal::DecodeForkServerReply(m), 77);
-  m = Encode(int32_t{-11});
+  m = Encode(int32_t{-1});  // the server's "malformed request"
+  EXPECT_EQ(CodeOf([&] { internal::DecodeForkServerReply(m); }), ErrorCode::kInternal);
+  m = Encode(int32_t{-EAGAIN});  // its fork() hit a process limit: says which
+  EXPECT_EQ(CodeOf([&] { internal::DecodeForkServerReply(m); }), ErrorCode::kResourceExhausted);
+  m = Encode(int32_t{-EMFILE});  // no room for the request's descriptors: names the limit
+  try {
+    internal::DecodeForkServerReply(m);
+    ADD_FAILURE() << "-EMFILE was taken for a pid";
+  } catch (const runtime::Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kResourceExhausted);
+    EXPECT_NE(e.message().find("RLIMIT_NOFILE"), std::string::npos) << e.what();
+    EXPECT_NE(e.message().find("request's descriptors"), std::string::npos) << e.what();
+  }
+  m = Encode(int32_t{-EPERM});  // any other errno stays a system error
   EXPECT_EQ(CodeOf([&] { internal::DecodeForkServerReply(m); }), ErrorCode::kInternal);
   m = Encode(int32_t{INT_MIN});  // -pid would overflow
   EXPECT_EQ(CodeOf([&] { internal::DecodeForkServerReply(m); }), ErrorCode::kInvalidArgument);

@@ -3,7 +3,9 @@
 // bad input.
 #include "mp/queue.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -300,6 +302,59 @@ TEST(QueueFaultTest, BadInputAndClosedHandles) {
   EXPECT_THROW(empty_handle.put(1), Error);
   q.join_thread();
   q.cancel_join_thread();
+}
+
+// Full says which limit was hit: maxsize (room by count) or the ring's bytes.
+TEST(QueueTest, FullSaysWhichLimitWasHit) {
+  Queue by_count(2);
+  by_count.put(1);
+  by_count.put(2);
+  try {
+    by_count.put_nowait(3);
+    FAIL() << "a third item fit under maxsize 2";
+  } catch (const Full& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("maxsize"), std::string::npos) << what;
+    EXPECT_EQ(what.find("ring"), std::string::npos) << what;
+  }
+  Queue by_bytes(QueueOptions{0, 4096});  // items over 1 KiB go out of band: 900 bytes each stay
+  const std::string item(900, 'x');
+  int put = 0;
+  try {
+    for (; put < 100; ++put) by_bytes.put(item, true, 0.02);
+    FAIL() << "100 items of 900 bytes fit in a 4 KiB ring";
+  } catch (const Full& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("ring is full by bytes"), std::string::npos) << what;
+    EXPECT_NE(what.find("ring_bytes"), std::string::npos) << what;  // what to do
+    EXPECT_EQ(what.find("maxsize ="), std::string::npos) << what;
+  }
+  EXPECT_GT(put, 0);
+  for (int i = 0; i < put; ++i) EXPECT_EQ(by_bytes.get<std::string>(true, 5.0), item);
+}
+
+// Consecutive messages carrying one file opened with different access modes are different
+// descriptors: the second must not share the first's batch (it would arrive read-only).
+TEST(QueueTest, DescriptorsOfOneFileWithOtherAccessModesAreNotShared) {
+  const int rw = memfd_create("queue-test-accmode", MFD_CLOEXEC);
+  ASSERT_GE(rw, 0);
+  ASSERT_EQ(ftruncate(rw, 4096), 0);
+  const int ro = open(("/proc/self/fd/" + std::to_string(rw)).c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(ro, 0);
+  Queue q;
+  for (int fd : {ro, rw, ro}) {
+    Message m;
+    m.bytes = "x";
+    m.fds.push_back(FileDescriptor::Borrow(fd));  // borrowed, as a shared segment's are
+    q.PutMessage(std::move(m));
+  }
+  for (int want : {O_RDONLY, O_RDWR, O_RDONLY}) {
+    Message m = q.GetMessage(true, 5.0);
+    ASSERT_EQ(m.fds.size(), 1u);
+    EXPECT_EQ(fcntl(m.fds[0].get(), F_GETFL) & O_ACCMODE, want);
+  }
+  close(ro);
+  close(rw);
 }
 
 TEST(QueueTest, SimpleQueue) {
