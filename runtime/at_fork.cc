@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <new>
 #include <thread>
 #include <utility>
@@ -32,9 +33,31 @@ void RunHook(const std::atomic<void (*)()>& hook) {
   if (void (*fn)() = hook.load(std::memory_order_acquire)) fn();
 }
 
+// The top of the process's initial stack (the kernel's "[stack]" mapping), read once; 0 when it
+// cannot be read. glibc never gives that stack to another thread. Not "the thread whose tid is
+// the pid": in a child forked from a worker thread, that thread has tid == pid and runs on a
+// stack glibc allocated, which the child's next fork gives back to glibc's cache.
+uintptr_t InitialStackTop() {
+  static const uintptr_t top = [] {
+    uintptr_t t = 0;
+    FILE* f = fopen("/proc/self/maps", "re");
+    if (f == nullptr) return t;
+    char line[512];
+    while (fgets(line, sizeof(line), f) != nullptr) {
+      if (strstr(line, "[stack]") == nullptr) continue;
+      unsigned long lo = 0, hi = 0;
+      if (sscanf(line, "%lx-%lx", &lo, &hi) == 2) t = hi;
+      break;
+    }
+    fclose(f);
+    return t;
+  }();
+  return top;
+}
+
 // The calling thread's stack mapping (static TLS included for threads glibc created), found once
-// per thread. Empty for the main thread, whose stack glibc never gives to another thread (objects
-// on it stay intact in a child), and when it cannot be told.
+// per thread. Empty for the thread on the initial stack (objects on it stay intact in a child),
+// and when it cannot be told.
 struct StackRange {
   uintptr_t lo = 0, hi = 0;
 };
@@ -42,7 +65,6 @@ struct StackRange {
 StackRange ThisThreadsStack() {
   thread_local StackRange range = [] {
     StackRange r;
-    if (static_cast<pid_t>(syscall(SYS_gettid)) == getpid()) return r;
     pthread_attr_t attr;
     if (pthread_getattr_np(pthread_self(), &attr) != 0) return r;
     void* addr = nullptr;
@@ -52,6 +74,8 @@ StackRange ThisThreadsStack() {
       r.hi = r.lo + size;
     }
     pthread_attr_destroy(&attr);
+    const uintptr_t initial = InitialStackTop();
+    if (initial == 0 || (r.lo < initial && initial <= r.hi)) return StackRange{};
     return r;
   }();
   return range;
@@ -105,6 +129,7 @@ AtForkRegistry& AtForkRegistry::Get() {
 }
 
 AtForkRegistry::AtForkRegistry() {
+  (void)InitialStackTop();  // read now, in the parent, not first in a child
   int rc = pthread_atfork(&AtForkRegistry::OnPrepare, &AtForkRegistry::OnParent,
                           &AtForkRegistry::OnChild);
   if (rc != 0) ThrowSystemError("pthread_atfork", rc);
@@ -154,12 +179,14 @@ void AtForkRegistry::Unregister(const void* handle) {
 }
 
 bool AtForkRegistry::IsRegistered(const void* handle) const {
+  CheckNotInHandler("AtForkRegistry::IsRegistered");  // the registry lock is held there
   std::lock_guard<std::mutex> lk(mu_);
   return std::any_of(entries_.begin(), entries_.end(),
                      [&](const Entry& e) { return e.handle == handle; });
 }
 
 std::vector<std::string> AtForkRegistry::HandlerNames() const {
+  CheckNotInHandler("AtForkRegistry::HandlerNames");  // the registry lock is held there
   std::lock_guard<std::mutex> lk(mu_);
   std::vector<std::string> names;
   for (const Entry& e : entries_) names.push_back(e.handler.name);
@@ -192,16 +219,19 @@ void AtForkRegistry::SetOptions(const AtForkOptions& options) {
 }
 
 AtForkOptions AtForkRegistry::options() const {
+  CheckNotInHandler("AtForkRegistry::options");  // the registry lock is held there
   std::lock_guard<std::mutex> lk(mu_);
   return options_;
 }
 
 ForkReport AtForkRegistry::LastReport() const {
+  CheckNotInHandler("AtForkRegistry::LastReport");  // the registry lock is held there
   std::lock_guard<std::mutex> lk(mu_);
   return last_;
 }
 
 uint64_t AtForkRegistry::fork_count() const {
+  CheckNotInHandler("AtForkRegistry::fork_count");  // the registry lock is held there
   std::lock_guard<std::mutex> lk(mu_);
   return fork_count_;
 }
@@ -391,12 +421,20 @@ bool LockForFork(std::mutex& mu, const PrepareAttempt& attempt) {
   if (mu.try_lock()) return true;
   const auto left = attempt.wait_until - std::chrono::steady_clock::now();
   if (left <= std::chrono::steady_clock::duration::zero()) return false;
-  // A timed wait on the mutex itself (glibc's pthread mutexes accept it). The realtime clock, not
-  // pthread_mutex_clocklock's monotonic one: ThreadSanitizer intercepts only timedlock, and a lock
-  // it does not see would make every later unlock an error there. A clock step shortens or
-  // lengthens one wait; the registry's deadline still bounds the fork.
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer intercepts neither pthread_mutex_clocklock nor a wait it could bound on the
+  // monotonic clock (timedlock takes the realtime clock, which a step back would stretch without
+  // bound): poll with try_lock, which it sees, until the steady deadline.
+  while (std::chrono::steady_clock::now() < attempt.wait_until) {
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+    if (mu.try_lock()) return true;
+  }
+  return false;
+#else
+  // A timed wait on the mutex itself, on the monotonic clock (std::chrono::steady_clock's): a
+  // step of the wall clock neither shortens nor lengthens it.
   timespec until{};
-  clock_gettime(CLOCK_REALTIME, &until);
+  clock_gettime(CLOCK_MONOTONIC, &until);
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
   until.tv_sec += static_cast<time_t>(ns / 1000000000);
   until.tv_nsec += static_cast<long>(ns % 1000000000);
@@ -405,10 +443,11 @@ bool LockForFork(std::mutex& mu, const PrepareAttempt& attempt) {
     ++until.tv_sec;
   }
   for (;;) {
-    const int rc = pthread_mutex_timedlock(mu.native_handle(), &until);
+    const int rc = pthread_mutex_clocklock(mu.native_handle(), CLOCK_MONOTONIC, &until);
     if (rc == 0) return true;
     if (rc != EINTR) return false;  // ETIMEDOUT (or an error: treated as "not yet")
   }
+#endif
 }
 
 void HoldAcrossFork(std::mutex* mu, std::string name, std::function<void()> in_child) {

@@ -242,8 +242,11 @@ class AtForkRegistration {
 /// Holds `mu` across every fork: locked in prepare, unlocked in the parent, and unlocked in the
 /// child after `in_child` ran (with the lock still held, on the child's only thread). The common
 /// case of a subsystem whose state is guarded by one mutex: no thread is half-way through it at
-/// the fork, and the child can reset it safely. `mu` is the registration handle and must live
-/// for the rest of the process (or be on the stack of the registering thread: see Guarantees).
+/// the fork, and the child can reset it safely. `mu` is the registration handle: it must
+/// outlive its registration. Before a mutex that does not live for the rest of the process goes
+/// (a member, a local), call AtForkRegistry::Get().Unregister(mu); a registration left behind
+/// would make the next fork lock freed memory. (Only a forked child forgets, by itself, a mutex
+/// on the stack of a thread that does not exist there: see Guarantees.)
 /// Throws as AtForkRegistry::Register.
 /// The lock is taken with LockForFork: a thread that holds `mu` while it waits for a subsystem
 /// prepared before it (a paused pool, a registration, the framework lock) makes the prepare say

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <new>
 #include <thread>
 
 #include "oneapi/tbb/global_control.h"
@@ -151,6 +152,9 @@ void InstallTbbForkHandler() {
       // When prepare gave up, the scheduler's threads are gone; oneTBB's state cannot be trusted.
       if (!prepared) {
         st.usable.store(false);
+        // If the lock was what could not be had, its holder does not exist here: rebuild it
+        // unlocked, so that ReleaseTbbScheduler() in this child does not wait for ever.
+        new (&st.mu) std::mutex();
         return;
       }
       if (st.usable.load()) st.mu.unlock();  // this thread locked it in prepare

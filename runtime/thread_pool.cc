@@ -1,8 +1,13 @@
 #include "runtime/thread_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <deque>
 #include <list>
+#include <new>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -86,7 +91,7 @@ void WorkerLoop(PoolState* s, PoolState::Worker* self) {
   t_worker_state = nullptr;
 }
 
-// Starts workers up to `target`. Requires s->mu held; joins workers that already left.
+// Starts workers up to `target`. Requires s->mu held, and keeps it held (never unlocks).
 void EnsureWorkersLocked(PoolState* s, int target, std::unique_lock<std::mutex>& lk) {
   if (s->paused || s->stopping) return;
   while (s->live < target) {
@@ -106,8 +111,28 @@ void EnsureWorkersLocked(PoolState* s, int target, std::unique_lock<std::mutex>&
   }
 }
 
+// Joins `t` if its thread has ended by `until`, polling pthread_tryjoin_np on the steady clock (a
+// step of the wall clock cannot stretch it); false, with `t` still joinable, when it has not.
+bool JoinIfEndedBy(std::thread& t, std::chrono::steady_clock::time_point until) {
+  for (;;) {
+    const int rc = pthread_tryjoin_np(t.native_handle(), nullptr);
+    if (rc == 0) {
+      // Joined behind std::thread's back: make the object empty without running its destructor
+      // (which terminates on a joinable thread); it holds nothing but the id.
+      new (&t) std::thread();
+      return true;
+    }
+    if (rc != EBUSY || std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
 // Joins and forgets workers that have left their loop. Requires lk held; releases it meanwhile.
-void ReapExitedLocked(PoolState* s, std::unique_lock<std::mutex>& lk) {
+// With `until` (inside a fork callback, the registry held) a worker whose thread has not ended by
+// then is left for a later call: its thread_local destructors may be waiting for the registry
+// (an AtForkRegistration, a thread_local pool), and an unbounded join would deadlock the fork.
+void ReapExitedLocked(PoolState* s, std::unique_lock<std::mutex>& lk,
+                      std::optional<std::chrono::steady_clock::time_point> until = std::nullopt) {
   std::vector<std::thread> done;
   for (auto it = s->workers.begin(); it != s->workers.end();) {
     if (it->exited) {
@@ -119,10 +144,21 @@ void ReapExitedLocked(PoolState* s, std::unique_lock<std::mutex>& lk) {
   }
   if (done.empty()) return;
   lk.unlock();
+  std::vector<std::thread> later;
   for (std::thread& t : done) {
-    if (t.joinable()) t.join();
+    if (!t.joinable()) continue;
+    if (!until.has_value()) {
+      t.join();
+    } else if (!JoinIfEndedBy(t, *until)) {
+      later.push_back(std::move(t));
+    }
   }
   lk.lock();
+  for (std::thread& t : later) {
+    s->workers.emplace_back();
+    s->workers.back().thread = std::move(t);
+    s->workers.back().exited = true;
+  }
 }
 
 // The registry's fork-entry hooks (runtime/internal/fork_entry.h): a worker inside fork(), waiting
@@ -150,8 +186,12 @@ ThreadPool::ThreadPool(ThreadPoolOptions options) : options_(std::move(options))
                 absl::StrCat("ThreadPoolOptions::num_threads must be >= 0 (0 = one per core), got ",
                              options_.num_threads));
   }
-  if (options_.drain_deadline.count() < 0) {
-    throw Error(ErrorCode::kInvalidArgument, "ThreadPoolOptions::drain_deadline must be >= 0");
+  if (options_.drain_deadline.count() < 0 || options_.drain_deadline > std::chrono::hours(24)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("ThreadPoolOptions::drain_deadline must lie in [0 ms, 24 h], got ",
+                             options_.drain_deadline.count(),
+                             " ms; a fork is bounded by the registry's prepare deadline anyway "
+                             "(AtForkOptions::prepare_deadline)"));
   }
   num_threads_ = options_.num_threads > 0
                      ? options_.num_threads
@@ -164,7 +204,7 @@ ThreadPool::ThreadPool(ThreadPoolOptions options) : options_(std::move(options))
   state_.store(new PoolState());
   AtForkHandler h;
   h.name = "thread_pool:" + options_.name;
-  h.prepare = [this](const PrepareAttempt& a) { return PrepareFork(a.fork_number, a.last); };
+  h.prepare = [this](const PrepareAttempt& a) { return PrepareFork(a); };
   h.parent = [this](bool) { ParentAfterFork(); };
   h.child = [this](bool) { ChildAfterFork(); };
   AtForkRegistry::Get().Register(this, std::move(h));
@@ -223,12 +263,20 @@ void ThreadPool::Post(std::function<void()> fn) {
   if (!fn) throw Error(ErrorCode::kInvalidArgument, "ThreadPool::Post was given an empty task");
   PoolState* s = State();
   std::unique_lock<std::mutex> lk(s->mu);
+  ReapExitedLocked(s, lk);  // workers that left at a fork (never joined inside fork callbacks)
   if (s->stopping) {
     throw Error(ErrorCode::kFailedPrecondition,
                 absl::StrCat("pool \"", options_.name, "\" is being destroyed; no new tasks"));
   }
   s->queue.push_back(std::move(fn));
-  EnsureWorkersLocked(s, num_threads_, lk);
+  try {
+    EnsureWorkersLocked(s, num_threads_, lk);
+  } catch (...) {
+    // No worker could start and none runs: the task is refused, so it must not run later (its
+    // caller may unwind and free what it refers to). EnsureWorkersLocked keeps the lock held.
+    s->queue.pop_back();
+    throw;
+  }
   s->work_cv.notify_one();
 }
 
@@ -286,7 +334,8 @@ void ThreadPool::ParallelFor(int64_t begin, int64_t end, int64_t grain,
                              " would make ", chunks, " chunks, more than the limit of ",
                              kParallelForMaxChunks,
                              " (one call of the body each); raise the grain to at least ",
-                             span / kParallelForMaxChunks + 1));
+                             span / kParallelForMaxChunks +
+                                 (span % kParallelForMaxChunks != 0 ? 1 : 0)));
   }
   // Chunks are handed out from one counter, so memory does not grow with their number: the
   // calling thread and up to num_threads() helper tasks take the next chunk until none is left.
@@ -314,7 +363,14 @@ void ThreadPool::ParallelFor(int64_t begin, int64_t end, int64_t grain,
   {
     TaskGroup group(*this);
     const uint64_t helpers = std::min<uint64_t>(static_cast<uint64_t>(num_threads_), chunks - 1);
-    for (uint64_t i = 0; i < helpers; ++i) group.Run(run_chunks);
+    for (uint64_t i = 0; i < helpers; ++i) {
+      try {
+        group.Run(run_chunks);
+      } catch (const Error& e) {
+        if (e.code() != ErrorCode::kResourceExhausted) throw;
+        break;  // no worker can start (a thread limit): the caller runs the chunks alone
+      }
+    }
     run_chunks();  // the caller works too: it never waits for workers that cannot come
     group.Wait();  // helpers not started yet find no chunk left (or run here if the pool paused)
   }
@@ -355,16 +411,21 @@ bool ThreadPool::OnThisPoolsWorker() const {
   return t_worker_state != nullptr && t_worker_state == state_.load();
 }
 
-bool ThreadPool::PrepareFork(uint64_t fork_number, bool last) {
+bool ThreadPool::PrepareFork(const PrepareAttempt& attempt) {
+  const bool last = attempt.last;
   drained_this_fork_ = false;
   PoolState* s = state_.load();
   if (s == nullptr) return true;  // never used since the last fork: nothing to quiesce
   const auto now = std::chrono::steady_clock::now();
-  if (fork_number != drain_fork_) {  // our first call for this fork, whatever the attempt number
-    drain_fork_ = fork_number;
+  if (attempt.fork_number != drain_fork_) {  // our first call for this fork, whatever the attempt
+    drain_fork_ = attempt.fork_number;
     drain_started_ = now;
   }
-  const auto hard_deadline = drain_started_ + options_.drain_deadline;
+  // The pool's own deadline, and never past the fork's (the rule for handlers: at_fork.h).
+  auto hard_deadline = drain_started_ + options_.drain_deadline;
+  if (attempt.deadline != std::chrono::steady_clock::time_point{}) {
+    hard_deadline = std::min(hard_deadline, attempt.deadline);
+  }
   // Each attempt waits a slice, so that a task blocked on a lock another subsystem took in
   // prepare gets its chance after the registry rolls that subsystem back.
   const auto slice = std::max<std::chrono::steady_clock::duration>(options_.drain_deadline / 8,
@@ -380,7 +441,11 @@ bool ThreadPool::PrepareFork(uint64_t fork_number, bool last) {
   // finish first), and tasks that threads other than workers run for themselves (TryRunOne).
   const bool drained = s->drain_cv.wait_until(
       lk, wait_until, [s, self] { return s->live <= self + s->forking_workers; });
-  ReapExitedLocked(s, lk);
+  // Workers that left their loop are joined if their threads end in time: a thread still running
+  // its thread_local destructors may wait for the registry this fork holds. The next Post, or
+  // the destructor, joins what is left.
+  ReapExitedLocked(s, lk, std::max(wait_until, std::chrono::steady_clock::now() +
+                                                   std::chrono::milliseconds(10)));
   if (drained) {
     drained_this_fork_ = true;
     return true;
@@ -407,7 +472,7 @@ void ThreadPool::ParentAfterFork() {
   if (s == nullptr) return;
   std::unique_lock<std::mutex> lk(s->mu);
   s->paused = false;
-  ReapExitedLocked(s, lk);
+  ReapExitedLocked(s, lk, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
   // Workers come back at once only where queued tasks wait for them; otherwise on next Post.
   if (!s->queue.empty()) {
     try {
@@ -426,12 +491,13 @@ void ThreadPool::ChildAfterFork() {
   // Forked from a worker: the task keeps running on this thread and its loop then exits without
   // touching the abandoned state (it compares ForkGeneration()).
   state_.store(nullptr);
+  drain_fork_ = 0;  // the child numbers its forks from 1 again (AtForkRegistry::fork_count)
   rebuilt_in_child_.store(1);
   forks_drained_.store(0);
   drain_timeouts_.store(0);
 }
 
-TaskGroup::TaskGroup(ThreadPool& pool) : pool_(pool) {}
+TaskGroup::TaskGroup(ThreadPool& pool) : pool_(pool), generation_(ForkGeneration()) {}
 
 TaskGroup::~TaskGroup() {
   try {
@@ -465,6 +531,13 @@ void TaskGroup::Run(std::function<void()> fn) {
 }
 
 void TaskGroup::Wait() {
+  if (ForkGeneration() != generation_) {
+    // Forked from inside one of this group's tasks (or while it ran): its other tasks stayed in
+    // the parent and will never finish here.
+    throw Error(ErrorCode::kFailedPrecondition,
+                "a TaskGroup (or ParallelFor) of the parent cannot be waited for in a forked child: "
+                "its tasks run in the parent; call _exit() or exec from the task that forked");
+  }
   for (;;) {
     {
       std::unique_lock<std::mutex> lk(mu_);

@@ -7,7 +7,11 @@
 //
 // Fork behaviour (each pool registers itself with the at-fork registry)
 //   prepare: stop intake (queued tasks stay queued), let the workers' in-flight tasks finish
-//            within ThreadPoolOptions::drain_deadline, then join the idle workers. Not waited
+//            within ThreadPoolOptions::drain_deadline (and the fork's own prepare deadline), and
+//            join the idle workers whose threads end in time (a join inside a fork callback is
+//            bounded: a leaving thread's thread_local destructors may wait for the registry the
+//            fork holds; such a worker is joined later, by the next Post or the destructor).
+//            Not waited
 //            for: a fork issued from one of this pool's own workers (it does not wait for
 //            itself), workers that are themselves inside fork() waiting for this fork (two tasks
 //            that fork at once never wait for each other), and tasks that a thread other than a
@@ -36,7 +40,12 @@
 //     kFailedPrecondition. Destroying a pool from one of its own workers is undefined.
 //   - A child forked from inside a task keeps running that task; when the task returns, its
 //     thread ends (and with it the child, if no other thread was started). Call _exit() or exec
-//     from the task instead of returning.
+//     from the task instead of returning. A TaskGroup or ParallelFor of the parent cannot be
+//     waited for in such a child (its other tasks stayed in the parent): Wait throws
+//     kFailedPrecondition there instead of waiting for ever.
+//   - Post (and so TaskGroup::Run) throws kResourceExhausted when no worker can start and none
+//     runs (a thread limit); the task is then not queued. ParallelFor goes on with fewer
+//     helpers, down to the calling thread alone.
 #ifndef FORKSAFE_RUNTIME_THREAD_POOL_H_
 #define FORKSAFE_RUNTIME_THREAD_POOL_H_
 
@@ -55,11 +64,14 @@
 
 namespace forksafe::runtime {
 
+struct PrepareAttempt;  // runtime/at_fork.h
+
 /// Configuration of a ThreadPool.
 struct ThreadPoolOptions {
   int num_threads = 0;  ///< 0 means std::thread::hardware_concurrency() (at least 1).
   std::string name = "pool";
-  /// How long prepare waits for in-flight tasks before letting the fork go ahead regardless.
+  /// How long prepare waits for in-flight tasks before letting the fork go ahead regardless
+  /// (at most 24 h; never past the fork's own AtForkOptions::prepare_deadline).
   std::chrono::milliseconds drain_deadline{2000};
 };
 
@@ -140,7 +152,7 @@ class ThreadPool {
 
  private:
   internal::PoolState* State();  // creates the state lazily (after a fork in the child)
-  bool PrepareFork(uint64_t fork_number, bool last);
+  bool PrepareFork(const PrepareAttempt& attempt);
   void ParentAfterFork();
   void ChildAfterFork();
 
@@ -176,6 +188,7 @@ class TaskGroup {
   std::condition_variable cv_;
   int pending_ = 0;
   std::exception_ptr error_;
+  uint64_t generation_;  // ForkGeneration() at construction: Wait in a forked child refuses
 };
 
 }  // namespace forksafe::runtime

@@ -16,7 +16,7 @@
 #include "gtest/gtest.h"
 #include "runtime/error.h"
 #include "runtime/internal/memory_bounds.h"
-#include "tests/support/bounded_child.h"
+#include "tests/support/bad_call.h"
 
 namespace forksafe::device {
 namespace {
@@ -30,38 +30,10 @@ using runtime::internal::RoundUpOrThrow;
 
 constexpr size_t kMax = std::numeric_limits<size_t>::max();
 
-// One row: a call, the code it must throw, and words its message must contain.
-struct BadCall {
-  std::string name;
-  std::function<void()> call;
-  ErrorCode code;
-  std::vector<std::string> says;
-};
+using forksafe::testing::BadCall;
 
-// Runs each row in a bounded child; "" when every row threw as expected.
 std::string CheckRows(const std::vector<BadCall>& rows) {
-  std::string failures;
-  for (const BadCall& row : rows) {
-    const std::string r = testing::RunBounded([&row]() -> std::string {
-      try {
-        row.call();
-      } catch (const Error& e) {
-        if (e.code() != row.code) {
-          return std::string("threw ") + runtime::ErrorCodeName(e.code()) + " instead of " +
-                 runtime::ErrorCodeName(row.code) + ": " + e.what();
-        }
-        for (const std::string& w : row.says) {
-          if (e.message().find(w) == std::string::npos) {
-            return "message does not say \"" + w + "\": " + e.message();
-          }
-        }
-        return "";
-      }
-      return "did not throw";
-    });
-    if (!r.empty()) failures += row.name + ": " + r + "\n";
-  }
-  return failures;
+  return forksafe::testing::CheckBadCalls(rows, /*bounded=*/true);
 }
 
 TEST(CheckedRoundUp, NeverWraps) {

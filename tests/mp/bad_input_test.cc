@@ -26,7 +26,7 @@
 #include "mp/timeout.h"
 #include "runtime/error.h"
 #include "runtime/resources.h"
-#include "tests/support/bounded_child.h"
+#include "tests/support/bad_call.h"
 
 namespace forksafe::mp {
 
@@ -51,40 +51,10 @@ constexpr size_t kMax = std::numeric_limits<size_t>::max();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-struct BadCall {
-  std::string name;
-  std::function<void()> call;
-  ErrorCode code;
-  std::vector<std::string> says;
-};
-
-// "" when `call` throws Error(code) whose message contains every word of `says`.
-std::string Verdict(const BadCall& row) {
-  try {
-    row.call();
-  } catch (const Error& e) {
-    if (e.code() != row.code) {
-      return std::string("threw ") + runtime::ErrorCodeName(e.code()) + " instead of " +
-             runtime::ErrorCodeName(row.code) + ": " + e.what();
-    }
-    for (const std::string& w : row.says) {
-      if (e.message().find(w) == std::string::npos) {
-        return "message does not say \"" + w + "\": " + e.message();
-      }
-    }
-    return "";
-  }
-  return "did not throw";
-}
+using forksafe::testing::BadCall;
 
 std::string CheckRows(const std::vector<BadCall>& rows, bool bounded) {
-  std::string failures;
-  for (const BadCall& row : rows) {
-    const std::string r =
-        bounded ? testing::RunBounded([&row] { return Verdict(row); }) : Verdict(row);
-    if (!r.empty()) failures += row.name + ": " + r + "\n";
-  }
-  return failures;
+  return forksafe::testing::CheckBadCalls(rows, bounded);
 }
 
 TEST(OneDefinitionPerName, ValueBlockAndTheArenaBlockLiveTogether) {

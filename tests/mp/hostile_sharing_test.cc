@@ -89,14 +89,7 @@ std::vector<std::string> EntriesOf(pid_t pid, bool strict = true) {
   return out;
 }
 
-bool WaitUntil(const std::function<bool()>& cond, std::chrono::milliseconds limit) {
-  const auto t0 = std::chrono::steady_clock::now();
-  while (std::chrono::steady_clock::now() - t0 < limit) {
-    if (cond()) return true;
-    std::this_thread::sleep_for(20ms);
-  }
-  return cond();
-}
+using forksafe::testing::WaitUntil;
 
 // How many shared mappings of forksafe's tensor arena this process has (memfd or /dev/shm).
 int ArenaMappings() {

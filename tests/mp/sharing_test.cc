@@ -114,14 +114,7 @@ void HoldNamedSegmentUntilKilled(Queue report) {
 }
 FORKSAFE_ENTRY_POINT(HoldNamedSegmentUntilKilled);
 
-bool WaitUntil(const std::function<bool()>& cond, std::chrono::milliseconds limit) {
-  const auto t0 = std::chrono::steady_clock::now();
-  while (std::chrono::steady_clock::now() - t0 < limit) {
-    if (cond()) return true;
-    std::this_thread::sleep_for(20ms);
-  }
-  return cond();
-}
+using forksafe::testing::WaitUntil;
 
 TEST(ShmManagerTest, RemovesSegmentsOfAKilledClient) {
   Queue report;

@@ -42,15 +42,7 @@ std::future<ChildResult> StartChild(std::function<int()> body) {
                     [body = std::move(body)] { return RunInChild(body, kChildTimeout, 30); });
 }
 
-// Polls `pred` until it holds or `timeout` passes.
-bool WaitUntil(const std::function<bool()>& pred, std::chrono::milliseconds timeout = 10s) {
-  const auto deadline = SteadyClock::now() + timeout;
-  while (!pred()) {
-    if (SteadyClock::now() >= deadline) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
-}
+using forksafe::testing::WaitUntil;
 
 // Runs `fn` and returns the code of the Error it throws (fails the test if it does not throw).
 template <class Fn>

@@ -23,6 +23,7 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -387,6 +388,37 @@ TEST_F(ForkHazardsTest, ObjectsOnAVanishedThreadsStackAreForgottenInTheChild) {
   owner.join();
 }
 
+// A child forked from a thread other than the main one has one thread, whose tid is the pid,
+// but whose stack glibc allocated: objects on it belong to it, and a grandchild forked from
+// another thread of that child forgets them (glibc gives that stack to its new threads).
+TEST_F(ForkHazardsTest, AChildForkedFromAThreadStillTellsItsStackFromTheInitialOne) {
+  SKIP_UNDER_TSAN();
+  int result = -1;
+  std::thread t([&] {
+    const ChildResult r = RunInChild(
+        [] {
+          int local = 0;
+          AtForkHandler h;
+          h.name = "forked_thread_stack";
+          AtForkRegistration reg(&local, std::move(h));
+          int code = -1;
+          std::thread u([&] {
+            Forked f = ForkAndWait(
+                [&local] { return AtForkRegistry::Get().IsRegistered(&local) ? 1 : 0; });
+            code = f.result.ok() ? 0 : (f.result.exited ? 10 + f.result.exit_code : 20);
+          });
+          u.join();
+          if (!AtForkRegistry::Get().IsRegistered(&local)) return 30;  // its owner is here
+          return code;
+        },
+        30s);
+    if (!r.ok()) fprintf(stderr, "%s\n", r.Describe().c_str());
+    result = r.ok() ? 0 : (r.exited ? r.exit_code : -2);
+  });
+  t.join();
+  EXPECT_EQ(result, 0) << "11: the grandchild kept the registration of a vanished thread's stack";
+}
+
 // A thread_local pool of another thread: its static TLS lives in that thread's stack mapping.
 TEST_F(ForkHazardsTest, AThreadLocalPoolOfAVanishedThreadIsForgottenInTheChild) {
   SKIP_UNDER_TSAN();
@@ -645,6 +677,174 @@ TEST_F(ForkHazardsTest, APoolUnderATightAddressSpaceLimitRunsWithTheThreadsItCan
           return s2 == 100 ? 0 : 1;
         });
         return f.result.ok() ? 0 : 36;
+      },
+      60s);
+  EXPECT_TRUE(r.ok()) << r.Describe();
+}
+
+// With no room for a single thread stack, Post refuses with kResourceExhausted and the refused
+// task never runs later (it used to stay queued: a ParallelFor that unwound left a task pointing
+// into its dead frame); ParallelFor goes on with the calling thread alone.
+TEST_F(ForkHazardsTest, ARefusedTaskNeverRunsAndParallelForGoesOnAlone) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers reserve terabytes of address space: no RLIMIT_AS fits them";
+#endif
+  auto r = RunInChild(
+      [] {
+        ThreadPool pool(ThreadPoolOptions{4, "no_room", 2000ms});
+        rlimit old{};
+        if (getrlimit(RLIMIT_AS, &old) != 0) return 30;
+        rlimit lim = old;
+        lim.rlim_cur = VirtualSize() + (4u << 20);  // less than one 8 MiB thread stack
+        if (setrlimit(RLIMIT_AS, &lim) != 0) return 31;
+        // glibc reuses the stacks of threads that ended (a cache of them, inherited from the
+        // parent too): threads that wait take every stack there is, until none can start.
+        std::mutex bm;
+        std::condition_variable bcv;
+        bool go = false;
+        std::vector<std::thread> blockers;
+        auto release = [&] {
+          {
+            std::lock_guard<std::mutex> l(bm);
+            go = true;
+          }
+          bcv.notify_all();
+          for (std::thread& t : blockers) t.join();
+        };
+        for (int i = 0; i < 1000; ++i) {
+          try {
+            blockers.emplace_back([&] {
+              std::unique_lock<std::mutex> l(bm);
+              bcv.wait(l, [&] { return go; });
+            });
+          } catch (const std::system_error&) {
+            break;
+          }
+        }
+        if (blockers.size() >= 1000) {
+          release();
+          return 38;
+        }
+        std::atomic<int> refused_ran{0};
+        int refused = 0;
+        try {
+          pool.Post([&] { ++refused_ran; });
+        } catch (const Error& e) {
+          refused = e.code() == ErrorCode::kResourceExhausted ? 1 : 2;
+        }
+        std::atomic<int64_t> sum{0};
+        bool parallel_for_threw = false;
+        try {
+          pool.ParallelFor(0, 1000, 10, [&](int64_t lo, int64_t hi) { sum += hi - lo; });
+        } catch (const Error&) {
+          parallel_for_threw = true;
+        }
+        const bool restored = setrlimit(RLIMIT_AS, &old) == 0;
+        release();
+        if (!restored) return 35;
+        if (refused != 1) return 32 + refused;  // 32: a worker started after all; 33: wrong code
+        if (parallel_for_threw || sum != 1000) return 34;
+        std::atomic<int> ran{0};
+        pool.Post([&] { ++ran; });
+        pool.Wait();
+        if (ran != 1) return 36;
+        if (refused_ran != 0) return 37;  // the refused task ran once workers came
+        return 0;
+      },
+      60s);
+  EXPECT_TRUE(r.ok()) << r.Describe();
+}
+
+// A worker whose thread_local objects unregister from the registry when the thread ends (here a
+// thread_local pool) leaves its loop at a fork's prepare: the fork must not join it while it
+// holds the registry (it used to: the worker waited for the registry, the fork for the worker).
+TEST_F(ForkHazardsTest, AWorkerWhoseThreadLocalsUnregisterDoesNotHangTheFork) {
+  auto r = RunInChild(
+      [] {
+        ThreadPool pool(ThreadPoolOptions{2, "tls_owner", 2000ms});
+        for (int round = 0; round < 3; ++round) {
+          pool.Submit([] {
+                thread_local ThreadPool inner(ThreadPoolOptions{1, "tls_inner", 2000ms});
+                inner.Submit([] {}).get();
+              }).get();
+          Forked f = ForkAndWait([] { return 0; }, 20s);
+          if (!f.result.ok()) return 40 + round;
+        }
+        return 0;
+      },
+      60s);
+  EXPECT_TRUE(r.ok()) << r.Describe();
+}
+
+// A child numbers its forks from 1 again. A pool the parent drained at its fork number k must
+// still be drained at the child's own fork number k (it used to take the parent's drain start as
+// its own, find its deadline long past, and fork with the task still running).
+TEST_F(ForkHazardsTest, AChildsForksDrainItsPoolsWhateverThePresentForkNumber) {
+  ThreadPool pool(ThreadPoolOptions{2, "renumbered", 1000ms});
+  pool.Submit([] {}).get();  // used: the parent's fork below drains it
+  const uint64_t k = AtForkRegistry::Get().fork_count() + 1;  // RunInChild's fork
+  auto r = RunInChild(
+      [&pool, k] {
+        for (uint64_t i = 1; i < k; ++i) {  // forks 1 .. k-1 of this child; the pool unused
+          const pid_t p = fork();
+          if (p == 0) _exit(0);
+          if (p < 0 || !WaitChild(p, 10s).ok()) return 50;
+        }
+        // Later than the pool's drain deadline after the parent's fork k: a drain that took
+        // that fork's start as its own would find its deadline past.
+        std::this_thread::sleep_for(1100ms);
+        std::atomic<bool> started{false};
+        auto task = pool.Submit([&] {
+          started = true;
+          std::this_thread::sleep_for(300ms);
+        });
+        while (!started) std::this_thread::sleep_for(1ms);
+        Forked f = ForkAndWait([] { return 0; });  // this child's fork number k
+        if (!f.result.ok()) return 51;
+        task.get();
+        for (const ForkEvent& e : AtForkRegistry::Get().LastReport().events) {
+          if (e.kind == ForkEventKind::kDrainDeadlineExceeded) {
+            fprintf(stderr, "fork %llu: %s\n", static_cast<unsigned long long>(k),
+                    e.detail.c_str());
+            return 52;
+          }
+        }
+        return 0;
+      },
+      120s, 120);
+  EXPECT_TRUE(r.ok()) << r.Describe();
+}
+
+// A ParallelFor body that forks on the calling thread and returns in the child: the child cannot
+// wait for the group (its other tasks are the parent's), and says so instead of waiting for ever.
+TEST_F(ForkHazardsTest, AGroupOfTheParentIsNotWaitedForInAForkedChild) {
+  auto r = RunInChild(
+      [] {
+        ThreadPool pool(ThreadPoolOptions{2, "group_fork", 2000ms});
+        const pid_t parent = getpid();
+        const pthread_t caller = pthread_self();
+        std::atomic<bool> forked{false};
+        pid_t child = -1;
+        try {
+          pool.ParallelFor(0, 64, 1, [&](int64_t, int64_t) {
+            if (!pthread_equal(pthread_self(), caller)) {
+              std::this_thread::sleep_for(1ms);  // the calling thread surely gets a chunk
+            } else if (!forked.exchange(true)) {
+              child = fork();
+            }
+          });
+        } catch (const Error& e) {
+          if (getpid() != parent) _exit(e.code() == ErrorCode::kFailedPrecondition ? 0 : 3);
+          return 60;
+        }
+        if (getpid() != parent) _exit(2);  // returned in the child: it waited for nothing
+        if (child <= 0) return 61;
+        const ChildResult c = WaitChild(child, 20s);
+        if (!c.exited || c.exit_code != 0) {
+          fprintf(stderr, "child: %s\n", c.Describe().c_str());
+          return 62;
+        }
+        return 0;
       },
       60s);
   EXPECT_TRUE(r.ok()) << r.Describe();

@@ -54,6 +54,16 @@ ChildResult WaitChild(pid_t pid, std::chrono::milliseconds timeout) {
   return r;
 }
 
+bool WaitUntil(const std::function<bool()>& cond, std::chrono::milliseconds limit,
+               std::chrono::milliseconds poll) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (cond()) return true;
+    std::this_thread::sleep_for(poll);
+  }
+  return cond();
+}
+
 ChildResult RunInChild(const std::function<int()>& body, std::chrono::milliseconds timeout,
                        unsigned child_alarm_s) {
   fflush(stdout);

@@ -34,6 +34,12 @@ ChildResult WaitChild(pid_t pid, std::chrono::milliseconds timeout);
 /// (exit code 100 when it throws, after printing the exception; kChildLeakExitCode (101) when it
 /// returned 0 but left resources behind, listed on stderr: see tests/support/leak_check.h). The
 /// parent waits at most `timeout`.
+/// Polls `cond` every `poll` until it holds or `limit` passes; returns whether it held (checked
+/// once more at the end). For tests that wait for another process to act.
+bool WaitUntil(const std::function<bool()>& cond,
+               std::chrono::milliseconds limit = std::chrono::seconds(10),
+               std::chrono::milliseconds poll = std::chrono::milliseconds(10));
+
 ChildResult RunInChild(const std::function<int()>& body,
                        std::chrono::milliseconds timeout = std::chrono::seconds(60),
                        unsigned child_alarm_s = 60);
