@@ -124,8 +124,7 @@ class Queue {
     // The shared memory `value` refers to is referenced by this queue until the message is got
     // (or the queue is gone); a put that fails gives those references back.
     internal::InFlightScope in_flight(CarrierId());
-    PutMessage(Encode(value), block, timeout);
-    in_flight.Commit();
+    PutMessage(Encode(value), block, timeout);  // commits the scope when it commits the message
   }
   template <class T>
   void put_nowait(const T& value) {

@@ -263,7 +263,8 @@ void ThreadPool::Post(std::function<void()> fn) {
   if (!fn) throw Error(ErrorCode::kInvalidArgument, "ThreadPool::Post was given an empty task");
   PoolState* s = State();
   std::unique_lock<std::mutex> lk(s->mu);
-  ReapExitedLocked(s, lk);  // workers that left at a fork (never joined inside fork callbacks)
+  // Workers that left at a fork and could not be joined then: every listed worker is live or left.
+  if (s->workers.size() > static_cast<size_t>(s->live)) ReapExitedLocked(s, lk);
   if (s->stopping) {
     throw Error(ErrorCode::kFailedPrecondition,
                 absl::StrCat("pool \"", options_.name, "\" is being destroyed; no new tasks"));

@@ -357,7 +357,6 @@ std::shared_ptr<Segment> CreateWithRecovery(SharedArena::Impl& a, std::unique_lo
     std::vector<std::shared_ptr<Segment>> unused =
         TakeUnusedSegments(a, candidates, scan ? &*scan : nullptr);
     candidates.clear();
-    for (auto& seg : unused) seg->bump = seg->size;  // never handed out again
     unused.clear();  // unmapped (and unlinked) now: the room comes back before the retry
     a.next_segment = kMinSegment;
     size = least;

@@ -84,6 +84,13 @@ void AddRlimit(std::vector<MemoryLimit>* out, int resource, const char* name, co
                   std::string("raise the limit (ulimit ") + flag + ") or ask for less"});
 }
 
+// Whether `bytes` exceeds the soft limit of `resource` (a limit that cannot be read: no).
+bool ExceedsRlimit(uint64_t bytes, int resource) {
+  struct rlimit rl;
+  return getrlimit(resource, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+         bytes > static_cast<uint64_t>(rl.rlim_cur);
+}
+
 }  // namespace
 
 bool CheckedRoundUp(size_t n, size_t align, size_t* out) noexcept {
@@ -172,17 +179,20 @@ void CheckMemoryAgainst(uint64_t bytes, const std::vector<MemoryLimit>& limits,
   throw Error(ErrorCode::kResourceExhausted, msg);
 }
 
-void CheckMemoryAvailable(uint64_t bytes, MemoryUse use, const std::string& what) {
+void CheckMemoryAvailable(uint64_t bytes, MemoryUse use, std::string_view what) {
   if (bytes < kFullCheckFrom) {
     // Small requests are on hot paths (a tensor per Queue message): only the process limits,
-    // which cost one system call each and which ftruncate turns into SIGXFSZ.
+    // which cost one system call each and which ftruncate turns into SIGXFSZ; nothing is
+    // allocated unless one of them is exceeded.
+    const bool shared = use != MemoryUse::kPrivate;
+    if (!ExceedsRlimit(bytes, RLIMIT_AS) && !(shared && ExceedsRlimit(bytes, RLIMIT_FSIZE))) return;
     std::vector<MemoryLimit> limits;
-    if (use != MemoryUse::kPrivate) AddRlimit(&limits, RLIMIT_FSIZE, "RLIMIT_FSIZE", "-f");
+    if (shared) AddRlimit(&limits, RLIMIT_FSIZE, "RLIMIT_FSIZE", "-f");
     AddRlimit(&limits, RLIMIT_AS, "RLIMIT_AS", "-v");
-    CheckMemoryAgainst(bytes, limits, what);
+    CheckMemoryAgainst(bytes, limits, std::string(what));
     return;
   }
-  CheckMemoryAgainst(bytes, MemoryLimits(use), what);
+  CheckMemoryAgainst(bytes, MemoryLimits(use), std::string(what));
 }
 
 }  // namespace forksafe::runtime::internal

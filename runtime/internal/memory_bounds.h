@@ -37,6 +37,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace forksafe::runtime::internal {
@@ -73,7 +74,7 @@ constexpr uint64_t kFullCheckFrom = uint64_t{64} << 20;
 
 /// CheckMemoryAgainst(bytes, MemoryLimits(use), what); below kFullCheckFrom, the RLIMIT_* bounds
 /// only.
-void CheckMemoryAvailable(uint64_t bytes, MemoryUse use, const std::string& what);
+void CheckMemoryAvailable(uint64_t bytes, MemoryUse use, std::string_view what);
 
 }  // namespace forksafe::runtime::internal
 
