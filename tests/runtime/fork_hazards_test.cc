@@ -328,6 +328,21 @@ TEST_F(ForkHazardsTest, OptionsThatWouldOverflowTheClockAreRejected) {
   o = AtForkRegistry::Get().options();
   o.attempt_wait = -1ms;
   EXPECT_THROW(AtForkRegistry::Get().SetOptions(o), Error);
+  // A pool's drain deadline: the same bound, named.
+  for (auto bad : {std::chrono::milliseconds::max(), std::chrono::milliseconds(-1),
+                   std::chrono::milliseconds(std::chrono::hours(24)) + 1ms}) {
+    try {
+      ThreadPool pool(ThreadPoolOptions{1, "endless", bad});
+      ADD_FAILURE() << "drain_deadline " << bad.count() << " ms was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("drain_deadline"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::to_string(bad.count())), std::string::npos)
+          << e.what();
+    }
+  }
+  ThreadPool day(ThreadPoolOptions{1, "a_day", std::chrono::hours(24)});  // the bound itself
+  EXPECT_EQ(day.Submit([] { return 7; }).get(), 7);
 }
 
 // ---------------------------------------------------------------------------------------------
