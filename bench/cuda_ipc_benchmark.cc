@@ -27,10 +27,10 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
+#include "forksafe/device/cuda_backend.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/runtime/error.h"
 #include "tests/support/fd_passing.h"
-#include "device/cuda_backend.h"
-#include "device/registry.h"
-#include "runtime/error.h"
 
 namespace {
 

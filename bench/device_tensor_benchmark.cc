@@ -14,12 +14,12 @@
 #include <string>
 
 #include "benchmark/benchmark.h"
-#include "device/registry.h"
-#include "device/tensor.h"
-#include "mp/process.h"
-#include "mp/queue.h"
-#include "mp/sharing.h"
-#include "runtime/error.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/mp/sharing.h"
+#include "forksafe/runtime/error.h"
 
 namespace {
 

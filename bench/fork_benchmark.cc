@@ -23,10 +23,10 @@
 #include <thread>
 
 #include "benchmark/benchmark.h"
-#include "device/registry.h"
-#include "runtime/internal/at_fork_bypass.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/runtime/internal/at_fork_bypass.h"
+#include "forksafe/runtime/thread_pool.h"
 #include "oneapi/tbb/parallel_for.h"
-#include "runtime/thread_pool.h"
 
 namespace {
 

@@ -26,12 +26,12 @@
 #include <string>
 
 #include "benchmark/benchmark.h"
-#include "mp/connection.h"
-#include "mp/process.h"
-#include "mp/queue.h"
-#include "mp/pool.h"
-#include "mp/sharing.h"
-#include "mp/spawn.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/pool.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/mp/sharing.h"
+#include "forksafe/mp/spawn.h"
 
 namespace {
 

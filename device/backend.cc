@@ -1,11 +1,11 @@
-#include "device/backend.h"
+#include "forksafe/device/backend.h"
 
 #include <unistd.h>
 
 #include <new>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/error.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::device {
 

@@ -30,7 +30,7 @@
 #include <mutex>
 #include <string>
 
-#include "device/device.h"
+#include "forksafe/device/device.h"
 
 namespace forksafe::device {
 class IpcBackend;

@@ -1,4 +1,4 @@
-#include "device/cpu_backend.h"
+#include "forksafe/device/cpu_backend.h"
 
 #include <unistd.h>
 
@@ -6,8 +6,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/error.h"
-#include "runtime/internal/memory_bounds.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/memory_bounds.h"
 
 namespace forksafe::device {
 

@@ -8,7 +8,7 @@
 #ifndef FORKSAFE_DEVICE_CPU_BACKEND_H_
 #define FORKSAFE_DEVICE_CPU_BACKEND_H_
 
-#include "device/backend.h"
+#include "forksafe/device/backend.h"
 
 namespace forksafe::device {
 

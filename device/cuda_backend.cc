@@ -1,4 +1,4 @@
-#include "device/cuda_backend.h"
+#include "forksafe/device/cuda_backend.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -26,10 +26,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "device/internal/cuda_driver.h"
-#include "runtime/error.h"
-#include "runtime/internal/kept_resources.h"
-#include "runtime/internal/memory_bounds.h"
+#include "forksafe/device/internal/cuda_driver.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/kept_resources.h"
+#include "forksafe/runtime/internal/memory_bounds.h"
 
 namespace forksafe::device {
 

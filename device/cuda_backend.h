@@ -38,8 +38,8 @@
 #include <functional>
 #include <string>
 
-#include "device/backend.h"
-#include "device/ipc.h"
+#include "forksafe/device/backend.h"
+#include "forksafe/device/ipc.h"
 
 namespace forksafe::device {
 

@@ -1,9 +1,9 @@
-#include "device/device.h"
+#include "forksafe/device/device.h"
 
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/error.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::device {
 

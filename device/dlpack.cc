@@ -1,4 +1,4 @@
-#include "device/dlpack.h"
+#include "forksafe/device/dlpack.h"
 
 #include <memory>
 #include <optional>
@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "device/registry.h"
-#include "device/storage.h"
-#include "runtime/error.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/device/storage.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::device {
 namespace {

@@ -42,8 +42,8 @@
 
 #include <cstdint>
 
-#include "device/device.h"
-#include "device/tensor.h"
+#include "forksafe/device/device.h"
+#include "forksafe/device/tensor.h"
 
 namespace forksafe::device {
 

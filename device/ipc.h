@@ -56,7 +56,7 @@
 #include <cstdint>
 #include <functional>
 
-#include "device/device.h"
+#include "forksafe/device/device.h"
 
 namespace forksafe::device {
 

@@ -1,4 +1,4 @@
-#include "device/registry.h"
+#include "forksafe/device/registry.h"
 
 #include <array>
 #include <atomic>
@@ -8,12 +8,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "device/cpu_backend.h"
-#include "device/cuda_backend.h"
-#include "device/ipc.h"
-#include "device/sim_backend.h"
-#include "runtime/at_fork.h"
-#include "runtime/error.h"
+#include "forksafe/device/cpu_backend.h"
+#include "forksafe/device/cuda_backend.h"
+#include "forksafe/device/ipc.h"
+#include "forksafe/device/sim_backend.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::device {
 namespace {

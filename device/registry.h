@@ -22,8 +22,8 @@
 #include <optional>
 #include <vector>
 
-#include "device/backend.h"
-#include "device/device.h"
+#include "forksafe/device/backend.h"
+#include "forksafe/device/device.h"
 
 namespace forksafe::device {
 

@@ -1,4 +1,4 @@
-#include "device/sim_backend.h"
+#include "forksafe/device/sim_backend.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -28,10 +28,10 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
-#include "runtime/internal/memory_bounds.h"
 #include "absl/strings/str_cat.h"
-#include "runtime/error.h"
-#include "runtime/internal/kept_resources.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/kept_resources.h"
+#include "forksafe/runtime/internal/memory_bounds.h"
 
 namespace forksafe::device {
 namespace internal {

@@ -45,8 +45,8 @@
 #include <functional>
 #include <memory>
 
-#include "device/backend.h"
-#include "device/ipc.h"
+#include "forksafe/device/backend.h"
+#include "forksafe/device/ipc.h"
 
 namespace forksafe::device {
 

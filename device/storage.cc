@@ -1,4 +1,4 @@
-#include "device/storage.h"
+#include "forksafe/device/storage.h"
 
 #include <unistd.h>
 
@@ -9,8 +9,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "device/registry.h"
-#include "runtime/error.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::device {
 namespace internal {

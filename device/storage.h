@@ -48,7 +48,7 @@
 #include <memory>
 #include <optional>
 
-#include "device/device.h"
+#include "forksafe/device/device.h"
 
 namespace forksafe::device {
 

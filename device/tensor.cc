@@ -1,4 +1,4 @@
-#include "device/tensor.h"
+#include "forksafe/device/tensor.h"
 
 #include <cmath>
 #include <cstring>
@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "runtime/error.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::device {
 namespace {

@@ -59,9 +59,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "device/device.h"
-#include "device/registry.h"
-#include "device/storage.h"
+#include "forksafe/device/device.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/device/storage.h"
 
 namespace forksafe::device {
 

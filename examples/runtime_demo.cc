@@ -28,18 +28,18 @@
 #include <thread>
 #include <vector>
 
-#include "device/registry.h"
-#include "mp/pool.h"
-#include "mp/queue.h"
-#include "mp/sharing.h"
-#include "mp/spawn.h"
-#include "device/sim_backend.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/device/sim_backend.h"
+#include "forksafe/mp/pool.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/mp/sharing.h"
+#include "forksafe/mp/spawn.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/tbb_fork.h"
+#include "forksafe/runtime/thread_pool.h"
 #include "oneapi/tbb/blocked_range.h"
 #include "oneapi/tbb/parallel_reduce.h"
-#include "runtime/at_fork.h"
-#include "runtime/error.h"
-#include "runtime/tbb_fork.h"
-#include "runtime/thread_pool.h"
 
 namespace fr = forksafe::runtime;
 namespace fd = forksafe::device;

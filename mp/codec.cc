@@ -1,4 +1,4 @@
-#include "mp/codec.h"
+#include "forksafe/mp/codec.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

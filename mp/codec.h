@@ -37,8 +37,8 @@
 #include "cereal/types/tuple.hpp"
 #include "cereal/types/utility.hpp"
 #include "cereal/types/vector.hpp"
-#include "mp/internal/bounded_archive.h"
-#include "runtime/error.h"
+#include "forksafe/mp/internal/bounded_archive.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp {
 
@@ -229,5 +229,31 @@ FileDescriptor FileDescriptor::LoadBorrowed(Archive& ar) {
 }
 
 }  // namespace forksafe::mp
+
+// device::Tensor is a codec value wherever the codec is: a tensor put on a Queue, sent on a Pipe,
+// passed to a Process or given to a Pool needs no header beyond the one that carries it. It
+// crosses as a shared-memory handle (mp/sharing.h says how); the encoding itself is compiled in
+// mp/sharing.cc (part of libforksafe.so and of @forksafe//:forksafe; a Bazel target that depends
+// on single layers adds //mp:sharing, or the link fails naming forksafe::mp::internal::SaveTensor).
+namespace forksafe::device {
+class Tensor;
+}  // namespace forksafe::device
+
+namespace forksafe::mp::internal {
+void SaveTensor(cereal::BinaryOutputArchive& ar, const device::Tensor& t);
+void LoadTensor(BoundedInputArchive& ar, device::Tensor& t);
+}  // namespace forksafe::mp::internal
+
+namespace forksafe::device {
+// cereal hooks (found by argument-dependent lookup).
+template <class Archive>
+void save(Archive& ar, const Tensor& t) {
+  mp::internal::SaveTensor(ar, t);
+}
+template <class Archive>
+void load(Archive& ar, Tensor& t) {
+  mp::internal::LoadTensor(ar, t);
+}
+}  // namespace forksafe::device
 
 #endif  // FORKSAFE_MP_CODEC_H_

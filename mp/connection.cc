@@ -1,4 +1,4 @@
-#include "mp/connection.h"
+#include "forksafe/mp/connection.h"
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "mp/internal/framing.h"
-#include "mp/internal/scm_rights.h"
-#include "mp/internal/shm_sync.h"
-#include "runtime/error.h"
+#include "forksafe/mp/internal/framing.h"
+#include "forksafe/mp/internal/scm_rights.h"
+#include "forksafe/mp/internal/shm_sync.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp {
 namespace {

@@ -34,8 +34,8 @@
 #include <string_view>
 #include <utility>
 
-#include "mp/codec.h"
-#include "mp/timeout.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/timeout.h"
 
 namespace forksafe::mp {
 

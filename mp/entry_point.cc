@@ -1,12 +1,12 @@
-#include "mp/entry_point.h"
+#include "forksafe/mp/entry_point.h"
 
 #include <cstdio>
 #include <map>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/at_fork.h"
-#include "runtime/error.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp::internal {
 namespace {

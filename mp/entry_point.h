@@ -27,7 +27,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "mp/codec.h"
+#include "forksafe/mp/codec.h"
 
 namespace forksafe::mp {
 namespace internal {

@@ -1,4 +1,4 @@
-#include "mp/pool.h"
+#include "forksafe/mp/pool.h"
 
 #include <cxxabi.h>
 #include <link.h>
@@ -17,12 +17,12 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "mp/connection.h"
-#include "mp/entry_point.h"
-#include "mp/internal/child.h"
-#include "mp/internal/pool_messages.h"
-#include "mp/internal/shm_sync.h"
-#include "runtime/error.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/entry_point.h"
+#include "forksafe/mp/internal/child.h"
+#include "forksafe/mp/internal/pool_messages.h"
+#include "forksafe/mp/internal/shm_sync.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp {
 

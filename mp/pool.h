@@ -100,10 +100,10 @@
 #include <vector>
 
 #include "cereal/details/traits.hpp"
-#include "mp/codec.h"
-#include "mp/process.h"
-#include "mp/timeout.h"
-#include "runtime/error.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/timeout.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp {
 

@@ -1,4 +1,4 @@
-#include "mp/process.h"
+#include "forksafe/mp/process.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -17,10 +17,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "mp/internal/child.h"
-#include "mp/internal/server_auth.h"
-#include "mp/internal/shm_sync.h"
-#include "runtime/error.h"
+#include "forksafe/mp/internal/child.h"
+#include "forksafe/mp/internal/server_auth.h"
+#include "forksafe/mp/internal/shm_sync.h"
+#include "forksafe/runtime/error.h"
 
 extern char** environ;
 

@@ -80,10 +80,10 @@
 #include <vector>
 
 #include "cereal/details/traits.hpp"
-#include "device/tensor.h"
-#include "mp/codec.h"
-#include "mp/connection.h"
-#include "mp/entry_point.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/entry_point.h"
 
 namespace forksafe::mp {
 

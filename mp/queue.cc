@@ -1,4 +1,4 @@
-#include "mp/queue.h"
+#include "forksafe/mp/queue.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -16,11 +16,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "mp/internal/queue_record.h"
-#include "mp/internal/scm_rights.h"
-#include "mp/internal/shared_segment.h"
-#include "mp/internal/shm_sync.h"
-#include "runtime/internal/memory_bounds.h"
+#include "forksafe/mp/internal/queue_record.h"
+#include "forksafe/mp/internal/scm_rights.h"
+#include "forksafe/mp/internal/shared_segment.h"
+#include "forksafe/mp/internal/shm_sync.h"
+#include "forksafe/runtime/internal/memory_bounds.h"
 
 namespace forksafe::mp {
 

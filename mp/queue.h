@@ -70,11 +70,11 @@
 #include <memory>
 #include <string>
 
-#include "mp/codec.h"
-#include "mp/connection.h"
-#include "mp/internal/shared_segment.h"
-#include "mp/timeout.h"
-#include "runtime/error.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/shared_segment.h"
+#include "forksafe/mp/timeout.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp {
 

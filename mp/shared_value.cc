@@ -1,4 +1,4 @@
-#include "mp/shared_value.h"
+#include "forksafe/mp/shared_value.h"
 
 #include <algorithm>
 #include <cstddef>
@@ -8,7 +8,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/internal/memory_bounds.h"
+#include "forksafe/runtime/internal/memory_bounds.h"
 
 namespace forksafe::mp::internal {
 namespace {

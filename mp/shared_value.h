@@ -46,10 +46,10 @@
 #include <utility>
 #include <vector>
 
-#include "mp/codec.h"
-#include "mp/internal/shared_segment.h"
-#include "mp/synchronize.h"
-#include "runtime/error.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/internal/shared_segment.h"
+#include "forksafe/mp/synchronize.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp {
 namespace internal {

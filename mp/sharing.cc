@@ -1,4 +1,4 @@
-#include "mp/sharing.h"
+#include "forksafe/mp/sharing.h"
 
 #include <unistd.h>
 
@@ -11,11 +11,11 @@
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
-#include "device/ipc.h"
-#include "device/registry.h"
-#include "device/storage.h"
-#include "mp/process.h"
-#include "runtime/error.h"
+#include "forksafe/device/ipc.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/device/storage.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp {
 
@@ -410,6 +410,15 @@ device::Tensor ImportTensor(TensorHandle h) {
   // FromStorage validates that the view fits inside the storage.
   return device::Tensor::FromStorage(storage, static_cast<device::DType>(h.dtype),
                                      std::move(h.shape), std::move(h.strides), h.offset);
+}
+
+// The codec's hooks for device::Tensor (declared in mp/codec.h).
+void SaveTensor(cereal::BinaryOutputArchive& ar, const device::Tensor& t) { ar(ExportTensor(t)); }
+
+void LoadTensor(BoundedInputArchive& ar, device::Tensor& t) {
+  TensorHandle h;
+  ar(h);
+  t = ImportTensor(std::move(h));
 }
 
 }  // namespace internal

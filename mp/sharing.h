@@ -8,7 +8,8 @@
 //   - Tensors as values of the codec: a device::Tensor put on a Queue, sent on a Pipe, passed as a
 //     Process/spawn argument or given to / returned from a Pool task moves to shared memory (if it
 //     is not there yet) and crosses as a handle (segment, offset, size, shape, strides), never as
-//     bytes. The receiver maps the segment once; the same storage sent twice arrives as views of
+//     bytes. The header that carries the tensor is enough (mp/codec.h declares the hooks; this
+//     component defines them). The receiver maps the segment once; the same storage sent twice arrives as views of
 //     one storage.
 //
 // Strategies
@@ -65,9 +66,9 @@
 #include <string>
 #include <vector>
 
-#include "device/tensor.h"
-#include "mp/codec.h"
-#include "mp/internal/shared_arena.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/internal/shared_arena.h"
 
 namespace forksafe::mp {
 
@@ -149,19 +150,5 @@ device::Tensor ImportTensor(TensorHandle h);
 }  // namespace internal
 
 }  // namespace forksafe::mp
-
-namespace forksafe::device {
-// cereal hooks: a Tensor crosses as a shared-memory handle (see above).
-template <class Archive>
-void save(Archive& ar, const Tensor& t) {
-  ar(mp::internal::ExportTensor(t));
-}
-template <class Archive>
-void load(Archive& ar, Tensor& t) {
-  mp::internal::TensorHandle h;
-  ar(h);
-  t = mp::internal::ImportTensor(std::move(h));
-}
-}  // namespace forksafe::device
 
 #endif  // FORKSAFE_MP_SHARING_H_

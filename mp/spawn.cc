@@ -1,4 +1,4 @@
-#include "mp/spawn.h"
+#include "forksafe/mp/spawn.h"
 
 #include <poll.h>
 #include <sys/wait.h>
@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "mp/internal/shm_sync.h"
+#include "forksafe/mp/internal/shm_sync.h"
 
 namespace forksafe::mp {
 

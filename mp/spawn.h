@@ -39,9 +39,9 @@
 #include <utility>
 #include <vector>
 
-#include "mp/process.h"
-#include "mp/timeout.h"
-#include "runtime/error.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/timeout.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp {
 

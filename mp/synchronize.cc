@@ -1,4 +1,4 @@
-#include "mp/synchronize.h"
+#include "forksafe/mp/synchronize.h"
 
 #include <linux/futex.h>
 #include <sys/syscall.h>

@@ -63,11 +63,11 @@
 #include <optional>
 #include <utility>
 
-#include "mp/codec.h"
-#include "mp/internal/shared_segment.h"
-#include "mp/internal/shm_sync.h"
-#include "mp/timeout.h"
-#include "runtime/error.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/internal/shared_segment.h"
+#include "forksafe/mp/internal/shm_sync.h"
+#include "forksafe/mp/timeout.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp {
 

@@ -21,7 +21,7 @@
 #include <sstream>
 #include <string>
 
-#include "runtime/error.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp {
 

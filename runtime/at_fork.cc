@@ -1,4 +1,4 @@
-#include "runtime/at_fork.h"
+#include "forksafe/runtime/at_fork.h"
 
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -15,10 +15,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/error.h"
-#include "runtime/framework_lock.h"
-#include "runtime/internal/at_fork_bypass.h"
-#include "runtime/internal/fork_entry.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/framework_lock.h"
+#include "forksafe/runtime/internal/at_fork_bypass.h"
+#include "forksafe/runtime/internal/fork_entry.h"
 
 namespace forksafe::runtime {
 namespace {

@@ -75,7 +75,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/framework_lock.h"
+#include "forksafe/runtime/framework_lock.h"
 
 namespace forksafe::runtime {
 

@@ -1,4 +1,4 @@
-#include "runtime/error.h"
+#include "forksafe/runtime/error.h"
 
 #include <cstring>
 

@@ -1,8 +1,8 @@
-#include "runtime/framework_lock.h"
+#include "forksafe/runtime/framework_lock.h"
 
 #include <new>
 
-#include "runtime/error.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::runtime {
 

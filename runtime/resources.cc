@@ -1,9 +1,9 @@
-#include "runtime/resources.h"
+#include "forksafe/runtime/resources.h"
 
 #include <map>
 #include <mutex>
 
-#include "runtime/internal/kept_resources.h"
+#include "forksafe/runtime/internal/kept_resources.h"
 
 namespace forksafe::runtime {
 namespace internal {

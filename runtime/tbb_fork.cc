@@ -1,4 +1,4 @@
-#include "runtime/tbb_fork.h"
+#include "forksafe/runtime/tbb_fork.h"
 
 #include <fcntl.h>
 #include <sys/syscall.h>
@@ -10,8 +10,8 @@
 #include <new>
 #include <thread>
 
+#include "forksafe/runtime/at_fork.h"
 #include "oneapi/tbb/global_control.h"
-#include "runtime/at_fork.h"
 
 namespace forksafe::runtime {
 namespace {

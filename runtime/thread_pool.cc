@@ -1,4 +1,4 @@
-#include "runtime/thread_pool.h"
+#include "forksafe/runtime/thread_pool.h"
 
 #include <pthread.h>
 
@@ -12,10 +12,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/at_fork.h"
-#include "runtime/error.h"
-#include "runtime/internal/fork_entry.h"
-#include "runtime/tbb_fork.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/fork_entry.h"
+#include "forksafe/runtime/tbb_fork.h"
 
 namespace forksafe::runtime {
 namespace internal {

@@ -21,11 +21,11 @@
 #include <string>
 #include <vector>
 
-#include "device/tensor.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/sharing.h"
+#include "forksafe/runtime/internal/kept_resources.h"
 #include "gtest/gtest.h"
-#include "mp/process.h"
-#include "mp/sharing.h"
-#include "runtime/internal/kept_resources.h"
 #include "tests/support/child_process.h"
 #include "tests/support/leak_check.h"
 

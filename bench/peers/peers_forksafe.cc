@@ -27,14 +27,14 @@
 #include <vector>
 
 #include "bench/peers/harness.h"
-#include "device/tensor.h"
-#include "mp/internal/shared_arena.h"  // stats only, for the breakdown of workload 2
-#include "mp/pool.h"
-#include "mp/process.h"
-#include "mp/queue.h"
-#include "mp/sharing.h"
-#include "mp/spawn.h"
-#include "runtime/thread_pool.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/internal/shared_arena.h"  // stats only, for the breakdown of workload 2
+#include "forksafe/mp/pool.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/mp/sharing.h"
+#include "forksafe/mp/spawn.h"
+#include "forksafe/runtime/thread_pool.h"
 
 namespace {
 

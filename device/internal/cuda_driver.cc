@@ -1,4 +1,4 @@
-#include "device/internal/cuda_driver.h"
+#include "forksafe/device/internal/cuda_driver.h"
 
 #include <dirent.h>
 #include <dlfcn.h>

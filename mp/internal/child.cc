@@ -1,4 +1,4 @@
-#include "mp/internal/child.h"
+#include "forksafe/mp/internal/child.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -22,10 +22,10 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "device/registry.h"
-#include "runtime/at_fork.h"
-#include "runtime/error.h"
-#include "runtime/internal/kept_resources.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/kept_resources.h"
 
 extern char** environ;
 

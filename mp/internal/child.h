@@ -23,9 +23,9 @@
 #include <optional>
 #include <string>
 
-#include "mp/codec.h"
-#include "mp/connection.h"
-#include "mp/process.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/process.h"
 
 namespace forksafe::mp::internal {
 

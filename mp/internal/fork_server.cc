@@ -24,13 +24,13 @@
 #include <string_view>
 #include <vector>
 
-#include "mp/internal/child.h"
-#include "mp/internal/framing.h"
-#include "mp/internal/server_auth.h"
-#include "mp/internal/shm_manager.h"
-#include "runtime/at_fork.h"
-#include "runtime/error.h"
-#include "runtime/internal/kept_resources.h"
+#include "forksafe/mp/internal/child.h"
+#include "forksafe/mp/internal/framing.h"
+#include "forksafe/mp/internal/server_auth.h"
+#include "forksafe/mp/internal/shm_manager.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/kept_resources.h"
 
 namespace forksafe::mp::internal {
 namespace {

@@ -1,9 +1,9 @@
-#include "mp/internal/framing.h"
+#include "forksafe/mp/internal/framing.h"
 
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/error.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp::internal {
 

@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <string>
 
-#include "mp/codec.h"
+#include "forksafe/mp/codec.h"
 
 namespace forksafe::mp::internal {
 

@@ -1,4 +1,4 @@
-#include "mp/internal/queue_record.h"
+#include "forksafe/mp/internal/queue_record.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/error.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp::internal {
 

@@ -1,4 +1,4 @@
-#include "mp/internal/scm_rights.h"
+#include "forksafe/mp/internal/scm_rights.h"
 
 #include <sys/resource.h>
 
@@ -6,7 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/error.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp::internal {
 

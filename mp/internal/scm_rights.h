@@ -7,7 +7,7 @@
 
 #include <vector>
 
-#include "mp/codec.h"
+#include "forksafe/mp/codec.h"
 
 namespace forksafe::mp::internal {
 

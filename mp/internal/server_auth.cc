@@ -1,4 +1,4 @@
-#include "mp/internal/server_auth.h"
+#include "forksafe/mp/internal/server_auth.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -7,8 +7,8 @@
 #include <cerrno>
 #include <cstdio>
 
-#include "mp/internal/child.h"
-#include "runtime/error.h"
+#include "forksafe/mp/internal/child.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp::internal {
 namespace {

@@ -28,9 +28,9 @@
 #include <cstdint>
 #include <string>
 
-#include "mp/codec.h"
-#include "mp/connection.h"
-#include "mp/internal/shared_segment.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/shared_segment.h"
 
 namespace forksafe::mp::internal {
 

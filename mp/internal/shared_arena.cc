@@ -1,4 +1,4 @@
-#include "mp/internal/shared_arena.h"
+#include "forksafe/mp/internal/shared_arena.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -17,12 +17,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "mp/internal/shared_segment.h"
-#include "mp/internal/shm_manager.h"
-#include "runtime/at_fork.h"
-#include "runtime/error.h"
-#include "runtime/internal/kept_resources.h"
-#include "runtime/internal/memory_bounds.h"
+#include "forksafe/mp/internal/shared_segment.h"
+#include "forksafe/mp/internal/shm_manager.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/kept_resources.h"
+#include "forksafe/runtime/internal/memory_bounds.h"
 
 namespace forksafe::mp::internal {
 namespace {

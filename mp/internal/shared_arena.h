@@ -53,7 +53,7 @@
 #include <mutex>
 #include <string>
 
-#include "mp/codec.h"
+#include "forksafe/mp/codec.h"
 
 namespace forksafe::mp::internal {
 

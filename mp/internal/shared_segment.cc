@@ -1,4 +1,4 @@
-#include "mp/internal/shared_segment.h"
+#include "forksafe/mp/internal/shared_segment.h"
 
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -11,7 +11,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "runtime/error.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp::internal {
 

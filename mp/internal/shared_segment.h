@@ -12,7 +12,7 @@
 #include <tuple>
 #include <vector>
 
-#include "mp/codec.h"
+#include "forksafe/mp/codec.h"
 
 namespace forksafe::mp::internal {
 

@@ -1,4 +1,4 @@
-#include "mp/internal/shm_manager.h"
+#include "forksafe/mp/internal/shm_manager.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -20,10 +20,10 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "mp/connection.h"
-#include "mp/internal/server_auth.h"
-#include "runtime/at_fork.h"
-#include "runtime/internal/kept_resources.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/server_auth.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/internal/kept_resources.h"
 
 namespace forksafe::mp::internal {
 

@@ -57,7 +57,7 @@
 #include <set>
 #include <string>
 
-#include "mp/codec.h"
+#include "forksafe/mp/codec.h"
 
 namespace forksafe::mp::internal {
 

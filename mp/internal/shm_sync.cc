@@ -1,4 +1,4 @@
-#include "mp/internal/shm_sync.h"
+#include "forksafe/mp/internal/shm_sync.h"
 
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -11,8 +11,8 @@
 #include <ctime>
 
 #include "absl/strings/str_cat.h"
-#include "mp/timeout.h"
-#include "runtime/error.h"
+#include "forksafe/mp/timeout.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::mp::internal {
 namespace {

@@ -14,7 +14,7 @@
 #include "absl/debugging/stacktrace.h"
 #include "absl/debugging/symbolize.h"
 #include "absl/strings/str_cat.h"
-#include "mp/internal/child.h"
+#include "forksafe/mp/internal/child.h"
 
 namespace forksafe::mp::internal {
 

@@ -1,4 +1,4 @@
-#include "runtime/internal/memory_bounds.h"
+#include "forksafe/runtime/internal/memory_bounds.h"
 
 #include <sys/resource.h>
 #include <sys/statvfs.h>
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/error.h"
+#include "forksafe/runtime/error.h"
 
 namespace forksafe::runtime::internal {
 namespace {

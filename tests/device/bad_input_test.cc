@@ -10,12 +10,12 @@
 #include <string>
 #include <vector>
 
-#include "device/registry.h"
-#include "device/sim_backend.h"
-#include "device/tensor.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/device/sim_backend.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/memory_bounds.h"
 #include "gtest/gtest.h"
-#include "runtime/error.h"
-#include "runtime/internal/memory_bounds.h"
 #include "tests/support/bad_call.h"
 
 namespace forksafe::device {

@@ -26,15 +26,15 @@
 #include <thread>
 #include <vector>
 
-#include "device/backend.h"
-#include "device/cuda_backend.h"
-#include "device/device.h"
-#include "device/ipc.h"
-#include "device/registry.h"
+#include "forksafe/device/backend.h"
+#include "forksafe/device/cuda_backend.h"
+#include "forksafe/device/device.h"
+#include "forksafe/device/ipc.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "tests/support/fd_passing.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
+#include "tests/support/fd_passing.h"
 
 extern char** environ;
 

@@ -7,13 +7,13 @@
 #include <thread>
 #include <vector>
 
-#include "device/backend.h"
-#include "device/cpu_backend.h"
-#include "device/device.h"
-#include "device/registry.h"
-#include "device/sim_backend.h"
+#include "forksafe/device/backend.h"
+#include "forksafe/device/cpu_backend.h"
+#include "forksafe/device/device.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/device/sim_backend.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::device {

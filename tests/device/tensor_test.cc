@@ -16,14 +16,14 @@
 #include <thread>
 #include <vector>
 
-#include "device/device.h"
-#include "device/dlpack.h"
-#include "device/registry.h"
-#include "device/sim_backend.h"
-#include "device/storage.h"
-#include "device/tensor.h"
+#include "forksafe/device/device.h"
+#include "forksafe/device/dlpack.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/device/sim_backend.h"
+#include "forksafe/device/storage.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::device {

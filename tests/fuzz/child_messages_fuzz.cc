@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "mp/codec.h"
-#include "mp/internal/child.h"
-#include "mp/internal/shm_manager.h"
-#include "mp/process.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/internal/child.h"
+#include "forksafe/mp/internal/shm_manager.h"
+#include "forksafe/mp/process.h"
 #include "tests/fuzz/fuzz_target.h"
 
 namespace forksafe::fuzz {

@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "mp/codec.h"
+#include "forksafe/mp/codec.h"
 #include "tests/fuzz/fuzz_target.h"
 
 namespace forksafe::fuzz {

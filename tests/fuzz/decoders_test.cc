@@ -6,14 +6,14 @@
 #include <string>
 #include <vector>
 
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/internal/child.h"
+#include "forksafe/mp/internal/framing.h"
+#include "forksafe/mp/internal/queue_record.h"
+#include "forksafe/mp/internal/shared_arena.h"
+#include "forksafe/mp/internal/shm_manager.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/codec.h"
-#include "mp/internal/child.h"
-#include "mp/internal/framing.h"
-#include "mp/internal/queue_record.h"
-#include "mp/internal/shared_arena.h"
-#include "mp/internal/shm_manager.h"
-#include "runtime/error.h"
 
 namespace forksafe::mp {
 namespace {

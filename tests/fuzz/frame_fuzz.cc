@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include "mp/connection.h"
-#include "mp/internal/framing.h"
-#include "mp/internal/scm_rights.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/framing.h"
+#include "forksafe/mp/internal/scm_rights.h"
 #include "tests/fuzz/fuzz_target.h"
 
 namespace forksafe::fuzz {

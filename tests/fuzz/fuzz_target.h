@@ -23,8 +23,8 @@
 #include <utility>
 #include <vector>
 
-#include "mp/codec.h"
-#include "runtime/error.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/runtime/error.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
 

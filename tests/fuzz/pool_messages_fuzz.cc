@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "mp/codec.h"
-#include "mp/internal/pool_messages.h"
-#include "mp/process.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/internal/pool_messages.h"
+#include "forksafe/mp/process.h"
 #include "tests/fuzz/fuzz_target.h"
 
 namespace forksafe::fuzz {

@@ -14,9 +14,9 @@
 #include <string>
 #include <vector>
 
-#include "mp/codec.h"
-#include "mp/connection.h"
-#include "mp/internal/queue_record.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/queue_record.h"
 #include "tests/fuzz/fuzz_target.h"
 
 namespace forksafe::fuzz {

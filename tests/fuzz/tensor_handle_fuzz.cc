@@ -15,11 +15,11 @@
 #include <string>
 #include <vector>
 
-#include "device/storage.h"
-#include "device/tensor.h"
-#include "mp/codec.h"
-#include "mp/internal/shared_arena.h"
-#include "mp/sharing.h"
+#include "forksafe/device/storage.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/internal/shared_arena.h"
+#include "forksafe/mp/sharing.h"
 #include "tests/fuzz/fuzz_target.h"
 
 namespace forksafe::fuzz {

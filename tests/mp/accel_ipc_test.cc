@@ -18,18 +18,18 @@
 #include <thread>
 #include <vector>
 
-#include "device/cuda_backend.h"
-#include "device/ipc.h"
-#include "device/registry.h"
-#include "device/sim_backend.h"
-#include "device/tensor.h"
+#include "forksafe/device/cuda_backend.h"
+#include "forksafe/device/ipc.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/device/sim_backend.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/pool.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/mp/sharing.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/connection.h"
-#include "mp/pool.h"
-#include "mp/process.h"
-#include "mp/queue.h"
-#include "mp/sharing.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::mp {

@@ -14,18 +14,18 @@
 #include <thread>
 #include <vector>
 
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/shared_arena.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/mp/shared_value.h"
+#include "forksafe/mp/sharing.h"
+#include "forksafe/mp/spawn.h"
+#include "forksafe/mp/synchronize.h"
+#include "forksafe/mp/timeout.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/resources.h"
 #include "gtest/gtest.h"
-#include "mp/connection.h"
-#include "mp/internal/shared_arena.h"
-#include "mp/process.h"
-#include "mp/queue.h"
-#include "mp/shared_value.h"
-#include "mp/sharing.h"
-#include "mp/spawn.h"
-#include "mp/synchronize.h"
-#include "mp/timeout.h"
-#include "runtime/error.h"
-#include "runtime/resources.h"
 #include "tests/support/bad_call.h"
 
 namespace forksafe::mp {

@@ -1,6 +1,6 @@
 // Pipe/Connection and the codec: framing, values, bytes, descriptors, timeouts, closed peers,
 // size limits, malformed input.
-#include "mp/connection.h"
+#include "forksafe/mp/connection.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -10,9 +10,9 @@
 #include <thread>
 #include <vector>
 
+#include "forksafe/mp/codec.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/codec.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::mp {

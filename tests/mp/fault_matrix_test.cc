@@ -27,14 +27,14 @@
 #include <utility>
 #include <vector>
 
-#include "device/tensor.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/pool.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/sharing.h"
+#include "forksafe/mp/spawn.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/connection.h"
-#include "mp/pool.h"
-#include "mp/process.h"
-#include "mp/sharing.h"
-#include "mp/spawn.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::mp {

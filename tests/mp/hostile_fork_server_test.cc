@@ -18,10 +18,10 @@
 #include <thread>
 #include <vector>
 
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/connection.h"
-#include "mp/process.h"
-#include "runtime/error.h"
 #include "tests/mp/hostile_program.h"
 #include "tests/support/child_process.h"
 

@@ -31,13 +31,13 @@
 #include <thread>
 #include <vector>
 
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/pool.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/mp/spawn.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/connection.h"
-#include "mp/pool.h"
-#include "mp/process.h"
-#include "mp/queue.h"
-#include "mp/spawn.h"
-#include "runtime/error.h"
 #include "tests/mp/hostile_program.h"
 #include "tests/support/child_process.h"
 

@@ -28,8 +28,8 @@
 #include <string>
 #include <vector>
 
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
 
 // Defined (strongly) only where UBSan's runtime is linked.

@@ -36,15 +36,15 @@
 #include <thread>
 #include <vector>
 
-#include "device/tensor.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/internal/shared_arena.h"
+#include "forksafe/mp/internal/shm_manager.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/mp/sharing.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/internal/shared_arena.h"
-#include "mp/internal/shm_manager.h"
-#include "mp/process.h"
-#include "mp/queue.h"
-#include "mp/sharing.h"
-#include "runtime/at_fork.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::mp {

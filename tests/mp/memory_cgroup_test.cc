@@ -18,14 +18,14 @@
 #include <string>
 #include <vector>
 
-#include "device/tensor.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/pool.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/mp/shared_value.h"
+#include "forksafe/mp/sharing.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/memory_bounds.h"
 #include "gtest/gtest.h"
-#include "mp/pool.h"
-#include "mp/queue.h"
-#include "mp/shared_value.h"
-#include "mp/sharing.h"
-#include "runtime/error.h"
-#include "runtime/internal/memory_bounds.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::mp {

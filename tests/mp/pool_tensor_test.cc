@@ -1,12 +1,12 @@
 // Pool over tensors: inputs and results cross as shared-memory handles, in every start method.
+// Only the Pool's header is included: a tensor needs no other (issue 13).
 #include <numeric>
 #include <string>
 #include <vector>
 
-#include "device/tensor.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/pool.h"
 #include "gtest/gtest.h"
-#include "mp/pool.h"
-#include "mp/sharing.h"
 
 namespace forksafe::mp {
 namespace {

@@ -1,7 +1,7 @@
 // Pool with the three start methods: map/starmap/imap/imap_unordered/apply/apply_async/map_async,
 // result states and timeouts, task exceptions with stack traces, workers that die mid-task,
 // maxtasksperchild, initializers, close/join/terminate, bad input, and no process left behind.
-#include "mp/pool.h"
+#include "forksafe/mp/pool.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -18,9 +18,9 @@
 #include <tuple>
 #include <vector>
 
+#include "forksafe/mp/process.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/process.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::mp {

@@ -1,6 +1,6 @@
 // Process with the three start methods: targets, arguments, exit codes, signals, exceptions with
 // stack traces, bad input, and the lifeline (children die with their parent).
-#include "mp/process.h"
+#include "forksafe/mp/process.h"
 
 #include <signal.h>
 #include <sys/prctl.h>
@@ -14,9 +14,9 @@
 #include <thread>
 #include <vector>
 
+#include "forksafe/mp/connection.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/connection.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::mp {

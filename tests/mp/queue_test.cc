@@ -1,7 +1,7 @@
 // Queue, SimpleQueue and JoinableQueue: in one process and across processes (fork, spawn,
 // forkserver), many producers and consumers, big items, descriptors, forwarding, killed peers,
 // bad input.
-#include "mp/queue.h"
+#include "forksafe/mp/queue.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -15,10 +15,10 @@
 #include <thread>
 #include <vector>
 
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/connection.h"
-#include "mp/process.h"
-#include "runtime/error.h"
 
 namespace forksafe::mp {
 namespace {

@@ -16,17 +16,17 @@
 #include <thread>
 #include <vector>
 
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/child.h"
+#include "forksafe/mp/internal/server_auth.h"
+#include "forksafe/mp/internal/shared_arena.h"
+#include "forksafe/mp/internal/shared_segment.h"
+#include "forksafe/mp/internal/shm_manager.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/mp/synchronize.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/connection.h"
-#include "mp/internal/child.h"
-#include "mp/internal/server_auth.h"
-#include "mp/internal/shared_arena.h"
-#include "mp/internal/shared_segment.h"
-#include "mp/internal/shm_manager.h"
-#include "mp/process.h"
-#include "mp/queue.h"
-#include "mp/synchronize.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::mp {

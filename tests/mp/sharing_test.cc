@@ -1,7 +1,7 @@
 // Shared tensors: strategies, share_memory_, zero copy across processes (all start methods),
 // identity, lifetimes, forwarding, same-process round trips, descriptor economy (100,000 tensors
 // under a 1,024-descriptor limit), and nothing left in /dev/shm.
-#include "mp/sharing.h"
+#include "forksafe/mp/sharing.h"
 
 #include <signal.h>
 #include <sys/wait.h>
@@ -21,13 +21,13 @@
 #include <thread>
 #include <vector>
 
-#include "device/tensor.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/shm_manager.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/connection.h"
-#include "mp/internal/shm_manager.h"
-#include "mp/process.h"
-#include "mp/queue.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::mp {

@@ -1,6 +1,6 @@
 // spawn(): success with each start method, join(timeout), and error propagation: exceptions with
 // index, pid, type, message and trace; exit codes; signals; the others terminated at once.
-#include "mp/spawn.h"
+#include "forksafe/mp/spawn.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -11,9 +11,9 @@
 #include <stdexcept>
 #include <thread>
 
+#include "forksafe/mp/connection.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/connection.h"
-#include "runtime/error.h"
 
 namespace forksafe::mp {
 namespace {

@@ -3,7 +3,7 @@
 // Children are forked with RunInChild (bounded, exit code = result). When the parent must act
 // while a child runs, the child is forked from a helper thread (StartChild) and the test's main
 // thread plays the parent's part; every wait on either side has a timeout.
-#include "mp/synchronize.h"
+#include "forksafe/mp/synchronize.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -17,10 +17,10 @@
 #include <thread>
 #include <vector>
 
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/shared_value.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/codec.h"
-#include "mp/shared_value.h"
-#include "runtime/error.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::mp {

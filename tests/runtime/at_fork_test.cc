@@ -1,6 +1,6 @@
 // Tests of the at-fork registry: ordering, roll-back, give-up, handles, re-entrancy, the
 // framework lock and fork generations.
-#include "runtime/at_fork.h"
+#include "forksafe/runtime/at_fork.h"
 
 #include <unistd.h>
 
@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "runtime/error.h"
-#include "runtime/framework_lock.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/framework_lock.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::runtime {

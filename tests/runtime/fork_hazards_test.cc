@@ -28,10 +28,10 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "runtime/at_fork.h"
-#include "runtime/error.h"
-#include "runtime/framework_lock.h"
-#include "runtime/thread_pool.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/framework_lock.h"
+#include "forksafe/runtime/thread_pool.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::runtime {

@@ -1,6 +1,6 @@
 // oneTBB across fork(): workers joined before the fork, usable again in parent and child, and a
 // fork from inside a oneTBB task reported instead of hanging.
-#include "runtime/tbb_fork.h"
+#include "forksafe/runtime/tbb_fork.h"
 
 #include <dirent.h>
 #include <unistd.h>
@@ -12,8 +12,8 @@
 #include "gtest/gtest.h"
 #include "oneapi/tbb/global_control.h"
 #include "oneapi/tbb/parallel_for.h"
-#include "runtime/at_fork.h"
-#include "runtime/thread_pool.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/thread_pool.h"
 #include "tests/support/child_process.h"
 #include "tests/support/workloads.h"
 

@@ -1,5 +1,5 @@
 // Tests of ThreadPool and TaskGroup, alone and across fork().
-#include "runtime/thread_pool.h"
+#include "forksafe/runtime/thread_pool.h"
 
 #include <unistd.h>
 
@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "runtime/at_fork.h"
-#include "runtime/error.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/error.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::runtime {

@@ -13,13 +13,13 @@
 #include <thread>
 #include <vector>
 
-#include "device/registry.h"
-#include "device/sim_backend.h"
-#include "device/tensor.h"
+#include "forksafe/device/registry.h"
+#include "forksafe/device/sim_backend.h"
+#include "forksafe/device/tensor.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/tbb_fork.h"
+#include "forksafe/runtime/thread_pool.h"
 #include "gtest/gtest.h"
-#include "runtime/at_fork.h"
-#include "runtime/tbb_fork.h"
-#include "runtime/thread_pool.h"
 #include "tests/soak/soak_scale.h"
 #include "tests/support/child_process.h"
 #include "tests/support/workloads.h"

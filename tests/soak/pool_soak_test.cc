@@ -20,10 +20,10 @@
 #include <utility>
 #include <vector>
 
+#include "forksafe/mp/pool.h"
+#include "forksafe/mp/process.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/pool.h"
-#include "mp/process.h"
-#include "runtime/error.h"
 #include "tests/soak/soak_scale.h"
 
 namespace forksafe::mp {

@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
+#include "forksafe/mp/process.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
-#include "mp/process.h"
-#include "mp/queue.h"
-#include "runtime/error.h"
 #include "tests/soak/soak_scale.h"
 
 namespace forksafe::mp {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/error.h"
+#include "forksafe/runtime/error.h"
 #include "tests/support/bounded_child.h"
 
 namespace forksafe::testing {

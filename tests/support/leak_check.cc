@@ -20,9 +20,9 @@
 #include <utility>
 #include <vector>
 
+#include "forksafe/runtime/internal/kept_resources.h"
+#include "forksafe/runtime/resources.h"
 #include "gtest/gtest.h"
-#include "runtime/internal/kept_resources.h"
-#include "runtime/resources.h"
 
 namespace forksafe::testing {
 namespace {

@@ -1,6 +1,6 @@
 // main() of test binaries that use forksafe::mp: InitMain first (spawned children and the fork
 // server take over there), then GoogleTest with the watchdog of test_main.cc.
-#include "mp/process.h"
+#include "forksafe/mp/process.h"
 
 int ForksafeTestMain(int argc, char** argv);
 

@@ -12,9 +12,9 @@
 #include <cstdint>
 #include <thread>
 
+#include "forksafe/runtime/thread_pool.h"
 #include "oneapi/tbb/blocked_range.h"
 #include "oneapi/tbb/parallel_reduce.h"
-#include "runtime/thread_pool.h"
 
 namespace forksafe::testing {
 
