@@ -5,7 +5,7 @@
 //   - Nothing is linked: libcuda.so.1 is dlopen'd on first use, so every binary starts on a
 //     machine without a GPU or driver. There DeviceCount() is 0 and every operation throws
 //     kUnavailable naming the cause ("libcuda.so.1 not found (...)", or "built without the CUDA
-//     Toolkit headers" when @local_cuda found none at build time; see docs/building.md).
+//     Toolkit headers" when @forksafe_local_cuda found none at build time; see docs/building.md).
 //   - Queries never initialize CUDA in this process: DeviceCount() and Properties() ask NVML
 //     (honouring CUDA_VISIBLE_DEVICES when it lists indices) or, without NVML, a short-lived forked
 //     child that runs cuInit; the answer is cached for the life of the process.

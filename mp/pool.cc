@@ -22,6 +22,7 @@
 #include "forksafe/mp/internal/child.h"
 #include "forksafe/mp/internal/pool_messages.h"
 #include "forksafe/mp/internal/shm_sync.h"
+#include "forksafe/runtime/cpu_budget.h"
 #include "forksafe/runtime/error.h"
 
 namespace forksafe::mp {
@@ -1027,7 +1028,7 @@ Pool::Pool(PoolOptions options) : impl_(std::make_unique<Impl>()) {
   Impl& p = *impl_;
   if (options.processes < 0) {
     throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("Pool: processes must be >= 1 (or 0 for one per CPU), got ",
+                absl::StrCat("Pool: processes must be >= 1 (or 0 for one per CPU this process may use), got ",
                              options.processes));
   }
   if (options.maxtasksperchild < 0) {
@@ -1037,9 +1038,8 @@ Pool::Pool(PoolOptions options) : impl_(std::make_unique<Impl>()) {
   }
   p.method = get_context(options.start_method).start_method();  // kInvalidArgument if unknown
   p.name = options.name.empty() ? absl::StrCat("Pool-", ++g_pool_counter) : options.name;
-  p.nproc = options.processes > 0
-                ? options.processes
-                : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  // 0: the CPUs this process may use (runtime/cpu_budget.h), not the machine's.
+  p.nproc = options.processes > 0 ? options.processes : runtime::DefaultThreadCount();
   if (p.method != "fork") {
     if (options.initializer_fn != nullptr) {
       p.init_entry = internal::EntryPointName(options.initializer_fn);

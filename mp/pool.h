@@ -141,7 +141,10 @@ class WorkerLostError : public runtime::Error {
 
 /// How to build a Pool.
 struct PoolOptions {
-  /// Number of workers; 0 means std::thread::hardware_concurrency() (at least 1).
+  /// Number of workers; 0 means runtime::DefaultThreadCount() (runtime/cpu_budget.h):
+  /// FORKSAFE_NUM_THREADS, else the first number of OMP_NUM_THREADS, else the CPUs of this
+  /// process's affinity mask and cgroup quota (at least 1). A malformed variable is then
+  /// kInvalidArgument.
   int processes = 0;
   /// Runs once in each worker before its first task. Any callable, "fork" only; for every start
   /// method use set_initializer(). If it throws, the pool is broken (see the file comment).

@@ -1,6 +1,7 @@
 #include "forksafe/runtime/at_fork.h"
 
 #include <pthread.h>
+#include <stdio.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -19,11 +20,14 @@
 #include "forksafe/runtime/framework_lock.h"
 #include "forksafe/runtime/internal/at_fork_bypass.h"
 #include "forksafe/runtime/internal/fork_entry.h"
+#include "forksafe/runtime/internal/process_instance.h"
+#include "forksafe/version.h"
 
 namespace forksafe::runtime {
 namespace {
 
 thread_local bool t_in_handler = false;
+thread_local bool t_rolling_back = false;  // parent callbacks run to undo a prepare
 std::atomic<uint64_t> g_fork_generation{0};
 std::atomic<bool> g_bypass{false};  // see runtime/internal/at_fork_bypass.h
 std::atomic<void (*)()> g_entering{nullptr};  // see runtime/internal/fork_entry.h
@@ -31,6 +35,36 @@ std::atomic<void (*)()> g_entered{nullptr};
 
 void RunHook(const std::atomic<void (*)()>& hook) {
   if (void (*fn)() = hook.load(std::memory_order_acquire)) fn();
+}
+
+// In a primary: the copies nested in it (runtime/internal/process_instance.h), whose fork-entry
+// hooks and parent_done it calls on each fork. Slots are filled once and never emptied (nested
+// copies pin their objects); a copy past the last slot is refused and runs separately.
+constexpr int kMaxNestedCopies = 16;
+std::atomic<const forksafe_nested_v1*> g_nested[kMaxNestedCopies];
+std::atomic<int> g_nested_count{0};
+
+// Fork-entry hooks of this copy and of the first `nested` copies nested in it.
+void RunEntering(int nested) {
+  RunHook(g_entering);
+  for (int i = 0; i < nested; ++i) g_nested[i].load(std::memory_order_acquire)->entering();
+}
+void RunEntered(int nested) {
+  RunHook(g_entered);
+  for (int i = 0; i < nested; ++i) g_nested[i].load(std::memory_order_acquire)->entered();
+}
+
+AtForkRegistry* g_this_registry = nullptr;  // this copy's registry, set by its constructor
+
+// Joins the primary's registry; false (this copy then runs separately) when it refuses. Below.
+bool NestInPrimary(const forksafe_instance_v1& primary);
+
+using Clock = std::chrono::steady_clock;
+int64_t ToNs(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+Clock::time_point FromNs(int64_t ns) {
+  return Clock::time_point(std::chrono::duration_cast<Clock::duration>(std::chrono::nanoseconds(ns)));
 }
 
 // The top of the process's initial stack (the kernel's "[stack]" mapping), read once; 0 when it
@@ -130,9 +164,28 @@ AtForkRegistry& AtForkRegistry::Get() {
 
 AtForkRegistry::AtForkRegistry() {
   (void)InitialStackTop();  // read now, in the parent, not first in a child
+  g_this_registry = this;
+  // Another copy of forksafe in the process already runs the forks: nest in it (at_fork.h, "One
+  // registry per process").
+  if (const forksafe_instance_v1* primary = internal::ElectProcessInstance()) {
+    if (NestInPrimary(*primary)) return;
+  }
   int rc = pthread_atfork(&AtForkRegistry::OnPrepare, &AtForkRegistry::OnParent,
                           &AtForkRegistry::OnChild);
   if (rc != 0) ThrowSystemError("pthread_atfork", rc);
+}
+
+RegistryRole AtForkRegistry::role() const {
+  switch (__atomic_load_n(&internal::ThisInstance().role, __ATOMIC_ACQUIRE)) {
+    case FORKSAFE_ROLE_NESTED: return RegistryRole::kNested;
+    case FORKSAFE_ROLE_SEPARATE: return RegistryRole::kSeparate;
+    default: return RegistryRole::kPrimary;
+  }
+}
+
+std::string AtForkRegistry::PrimaryObject() const {
+  const forksafe_instance_v1* primary = internal::PrimaryInstance();
+  return primary != nullptr ? primary->object : internal::ThisInstance().object;
 }
 
 void AtForkRegistry::CheckNotInHandler(const char* what) const {
@@ -251,6 +304,10 @@ void AtForkRegistry::ReportEvent(ForkEventKind kind, const std::string& subsyste
   } catch (...) {
     // Out of memory while reporting: drop the event rather than disturb the fork.
   }
+  // A nested copy's events also go to the primary's report (and listener).
+  if (const forksafe_instance_v1* primary = internal::PrimaryInstance()) {
+    primary->report_event(static_cast<int32_t>(kind), subsystem.c_str(), detail.c_str());
+  }
 }
 
 void AtForkRegistry::OnPrepare() {
@@ -264,85 +321,106 @@ void AtForkRegistry::OnChild() {
 }
 
 void AtForkRegistry::Prepare() {
-  // A worker of a pool that waits here for another thread's fork must not be waited for by that
-  // fork's drain (runtime/internal/fork_entry.h).
-  RunHook(g_entering);
+  // A worker of a pool (of this copy or of a copy nested in it) that waits here for another
+  // thread's fork must not be waited for by that fork's drain (runtime/internal/fork_entry.h).
+  // The same copies get `entered` as got `entering`, even if one nests meanwhile.
+  const int nested = g_nested_count.load(std::memory_order_acquire);
+  RunEntering(nested);
   std::unique_lock<std::mutex> lk(mu_);
   fork_done_.wait(lk, [this] { return !forking_; });
   forking_ = true;
   lk.release();  // mu_ stays locked until Parent() or Child(), except during back-off below
-  RunHook(g_entered);
+  RunEntered(nested);
   t_in_handler = true;
   current_ = ForkReport{};
   current_.fork_number = fork_count_ + 1;
-  for (Entry& e : entries_) e.prepared = false;
 
   const int max_attempts = options_.max_prepare_attempts;
-  const auto started = std::chrono::steady_clock::now();
+  const auto started = Clock::now();
   const auto deadline = started + options_.prepare_deadline;
   auto backoff = options_.initial_backoff;
   for (int attempt = 1; attempt <= max_attempts; ++attempt) {
-    const bool last = attempt == max_attempts || std::chrono::steady_clock::now() >= deadline;
+    const bool last = attempt == max_attempts || Clock::now() >= deadline;
     current_.attempts = attempt;
-    bool retry = false;
-    for (size_t i = entries_.size(); i-- > 0;) {
-      Entry& e = entries_[i];
-      bool ok = true;
-      if (e.handler.prepare) {
-        PrepareAttempt a{attempt, last, current_.fork_number, deadline, deadline};
-        if (!last) a.wait_until = std::min(deadline, std::chrono::steady_clock::now() +
-                                                         options_.attempt_wait);
-        try {
-          ok = e.handler.prepare(a);
-        } catch (const std::exception& ex) {
-          ok = false;
-          ReportEvent(ForkEventKind::kHandlerThrew, e.handler.name,
-                      absl::StrCat("prepare threw: ", ex.what()));
-        } catch (...) {
-          ok = false;
-          ReportEvent(ForkEventKind::kHandlerThrew, e.handler.name, "prepare threw");
-        }
-      }
-      if (ok) {
-        e.prepared = true;
-        continue;
-      }
-      if (last) {
-        ReportEvent(ForkEventKind::kPrepareGaveUp, e.handler.name,
-                    absl::StrCat("could not be prepared after ", attempt, " attempt(s) in ",
-                                 std::chrono::duration_cast<std::chrono::milliseconds>(
-                                     std::chrono::steady_clock::now() - started)
-                                     .count(),
-                                 " ms; the fork proceeds and the child must treat this "
-                                 "subsystem as unusable until it is rebuilt"));
-        continue;  // prepare the rest anyway
-      }
-      ReportEvent(ForkEventKind::kPrepareRetried, e.handler.name,
-                  absl::StrCat("not ready on attempt ", attempt, "; rolled back and retried"));
-      // Roll back, in registration order, the handlers prepared in this attempt.
-      for (size_t j = i + 1; j < entries_.size(); ++j) {
-        Entry& done = entries_[j];
-        if (!done.prepared) continue;
-        done.prepared = false;
-        RunQuietly(done.handler.parent, true, done.handler.name, "roll-back (parent)");
-      }
-      retry = true;
+    if (PrepareRound(PrepareAttempt{attempt, last, current_.fork_number, deadline, deadline},
+                     deadline, started)) {
       break;
     }
-    if (!retry) break;
     // Nothing is prepared now. Let other threads (un)register meanwhile: the thread that holds
     // what a handler refused on may need to (it creates a pool while holding a lock, say).
     // Other forks still wait: forking_ stays true.
     mu_.unlock();
-    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
-        backoff, std::max<std::chrono::steady_clock::duration>(
-                     deadline - std::chrono::steady_clock::now(), std::chrono::microseconds(0))));
+    std::this_thread::sleep_for(std::min<Clock::duration>(
+        backoff, std::max<Clock::duration>(deadline - Clock::now(), std::chrono::microseconds(0))));
     mu_.lock();
-    for (Entry& e : entries_) e.prepared = false;
     backoff = std::min(backoff * 2, options_.max_backoff);
   }
+  TakeFrameworkLock();
+}
 
-  // The framework lock: taken last, after every subsystem is quiet.
+// One round of prepare callbacks, in reverse registration order: the standalone loop above runs
+// it once per attempt, and a nested copy runs it once per call of the primary (NestedCopy).
+// Returns true when every handler is prepared, or on the last attempt (refusals are then
+// recorded as kPrepareGaveUp and the rest is prepared anyway); false, with everything this round
+// prepared rolled back, on a "not yet". A handler may block until min(`cap`, now +
+// attempt_wait), or until the deadline on the last attempt.
+bool AtForkRegistry::PrepareRound(PrepareAttempt attempt, Clock::time_point cap,
+                                  Clock::time_point started) {
+  for (Entry& e : entries_) e.prepared = false;  // entries may have been added since the last
+  for (size_t i = entries_.size(); i-- > 0;) {
+    Entry& e = entries_[i];
+    bool ok = true;
+    if (e.handler.prepare) {
+      attempt.wait_until = attempt.last ? attempt.deadline
+                                        : std::min(cap, Clock::now() + options_.attempt_wait);
+      try {
+        ok = e.handler.prepare(attempt);
+      } catch (const std::exception& ex) {
+        ok = false;
+        ReportEvent(ForkEventKind::kHandlerThrew, e.handler.name,
+                    absl::StrCat("prepare threw: ", ex.what()));
+      } catch (...) {
+        ok = false;
+        ReportEvent(ForkEventKind::kHandlerThrew, e.handler.name, "prepare threw");
+      }
+    }
+    if (ok) {
+      e.prepared = true;
+      continue;
+    }
+    if (attempt.last) {
+      ReportEvent(ForkEventKind::kPrepareGaveUp, e.handler.name,
+                  absl::StrCat("could not be prepared after ", attempt.number, " attempt(s) in ",
+                               std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   Clock::now() - started)
+                                   .count(),
+                               " ms; the fork proceeds and the child must treat this "
+                               "subsystem as unusable until it is rebuilt"));
+      continue;  // prepare the rest anyway
+    }
+    ReportEvent(ForkEventKind::kPrepareRetried, e.handler.name,
+                absl::StrCat("not ready on attempt ", attempt.number, "; rolled back and retried"));
+    RollBack(i + 1);
+    return false;
+  }
+  return true;
+}
+
+// Runs, in registration order, the parent callback of each handler from `from` on that is
+// prepared, to undo its prepare.
+void AtForkRegistry::RollBack(size_t from) {
+  t_rolling_back = true;
+  for (size_t j = from; j < entries_.size(); ++j) {
+    Entry& done = entries_[j];
+    if (!done.prepared) continue;
+    done.prepared = false;
+    RunQuietly(done.handler.parent, true, done.handler.name, "roll-back (parent)");
+  }
+  t_rolling_back = false;
+}
+
+// The framework lock: taken last, after every subsystem is quiet.
+void AtForkRegistry::TakeFrameworkLock() {
   FrameworkLock& fl = GetFrameworkLock();
   framework_lock_taken_ = false;
   if (fl.TryLockFor(options_.framework_lock_timeout)) {
@@ -355,24 +433,38 @@ void AtForkRegistry::Prepare() {
   }
 }
 
-void AtForkRegistry::Parent() {
+// The parent phase, up to (not including) the release of mu_.
+void AtForkRegistry::FinishParent() {
   if (framework_lock_taken_) GetFrameworkLock().Unlock();
+  framework_lock_taken_ = false;
   for (Entry& e : entries_) RunQuietly(e.handler.parent, e.prepared, e.handler.name, "parent");
   ++fork_count_;
   last_ = current_;
-  ForkReport report = current_;
-  std::function<void(const ForkReport&)> listener = listener_;
   t_in_handler = false;
   forking_ = false;
   fork_done_.notify_all();
-  mu_.unlock();
-  if (listener && !report.clean()) {
-    try {
-      listener(report);
-    } catch (...) {
-      // A listener must not break the caller of fork().
-    }
+}
+
+namespace {
+void CallListener(const std::function<void(const ForkReport&)>& listener,
+                  const ForkReport& report) {
+  if (!listener || report.clean()) return;
+  try {
+    listener(report);
+  } catch (...) {
+    // A listener must not break the caller of fork().
   }
+}
+}  // namespace
+
+void AtForkRegistry::Parent() {
+  FinishParent();
+  ForkReport report = last_;
+  std::function<void(const ForkReport&)> listener = listener_;
+  mu_.unlock();
+  const int nested = g_nested_count.load(std::memory_order_acquire);
+  for (int i = 0; i < nested; ++i) g_nested[i].load(std::memory_order_acquire)->parent_done();
+  CallListener(listener, report);
 }
 
 void AtForkRegistry::Child() {
@@ -380,6 +472,7 @@ void AtForkRegistry::Child() {
   FrameworkLock& fl = GetFrameworkLock();
   fl.ResetInChild();
   if (framework_lock_taken_) fl.Unlock();
+  framework_lock_taken_ = false;
   for (Entry& e : entries_) RunQuietly(e.handler.child, e.prepared, e.handler.name, "child");
   // Objects on the stacks of threads that do not exist here: glibc hands those stacks to the
   // child's next threads, so the objects' memory is about to be reused. Their child callbacks
@@ -399,6 +492,179 @@ void AtForkRegistry::Child() {
   // This thread locked mu_ in Prepare() and is the same thread here: unlocking is well defined.
   mu_.unlock();
 }
+
+// ---- Several copies of forksafe in one process (runtime/internal/process_instance.h) ----------
+
+// A nested copy's side: the entry points the primary calls, each on the forking thread while the
+// primary holds its own registry. They drive this copy's registry through the same rounds and
+// phases as a standalone fork; mu_ (and t_in_handler) stay held from a successful prepare until
+// roll_back, parent or child.
+struct NestedCopy {
+  static void Entering() { RunHook(g_entering); }
+  static void Entered() { RunHook(g_entered); }
+
+  static int Prepare(const forksafe_attempt_v1* c) {
+    AtForkRegistry& r = *g_this_registry;
+    r.mu_.lock();
+    t_in_handler = true;
+    if (!r.nested_fork_open_) {  // the primary's first call for this fork
+      r.nested_fork_open_ = true;
+      r.nested_started_ = Clock::now();
+      r.current_ = ForkReport{};
+      r.current_.fork_number = c->fork_number;
+    }
+    r.current_.attempts = c->number;
+    const PrepareAttempt a{c->number, c->last != 0, c->fork_number, FromNs(c->deadline_ns),
+                           FromNs(c->deadline_ns)};
+    if (!r.PrepareRound(a, FromNs(c->wait_until_ns), r.nested_started_)) {
+      t_in_handler = false;
+      r.mu_.unlock();
+      return 0;
+    }
+    r.TakeFrameworkLock();
+    r.nested_held_ = true;
+    return 1;
+  }
+
+  // The primary rolls back a round in which this copy was prepared.
+  static void RollBack() {
+    AtForkRegistry& r = *g_this_registry;
+    if (!r.nested_held_) return;
+    r.nested_held_ = false;
+    if (r.framework_lock_taken_) GetFrameworkLock().Unlock();
+    r.framework_lock_taken_ = false;
+    r.RollBack(0);
+    t_in_handler = false;
+    r.mu_.unlock();
+  }
+
+  static void Parent() {
+    AtForkRegistry& r = *g_this_registry;
+    if (!r.nested_held_) return;
+    r.nested_held_ = false;
+    r.nested_fork_open_ = false;
+    r.FinishParent();
+    r.notify_pending_ = !r.last_.clean();
+    r.mu_.unlock();
+  }
+
+  static void Child() {
+    AtForkRegistry& r = *g_this_registry;
+    if (!r.nested_held_) return;
+    r.nested_held_ = false;
+    r.nested_fork_open_ = false;
+    r.notify_pending_ = false;
+    r.Child();
+  }
+
+  // In the parent, after the primary released its registry: this copy's listener.
+  static void ParentDone() {
+    AtForkRegistry& r = *g_this_registry;
+    ForkReport report;
+    std::function<void(const ForkReport&)> listener;
+    try {
+      std::lock_guard<std::mutex> lk(r.mu_);
+      if (!r.notify_pending_) return;
+      r.notify_pending_ = false;
+      report = r.last_;
+      listener = r.listener_;
+    } catch (...) {
+      return;  // out of memory copying the report: no notification
+    }
+    CallListener(listener, report);
+  }
+
+  static bool Nest(const forksafe_instance_v1& primary);
+};
+
+namespace {
+const forksafe_nested_v1 kThisNestedCopy = {
+    sizeof(forksafe_nested_v1), nullptr,          &NestedCopy::Entering, &NestedCopy::Entered,
+    &NestedCopy::Prepare,       &NestedCopy::RollBack, &NestedCopy::Parent, &NestedCopy::Child,
+    &NestedCopy::ParentDone,
+};
+bool NestInPrimary(const forksafe_instance_v1& primary) { return NestedCopy::Nest(primary); }
+}  // namespace
+
+bool NestedCopy::Nest(const forksafe_instance_v1& primary) {
+  // Leaked: the primary keeps pointers to both for the life of the process.
+  static auto* name =
+      new std::string(absl::StrCat("forksafe copy in ", internal::ThisInstance().object));
+  static auto* table = new forksafe_nested_v1(kThisNestedCopy);
+  table->name = name->c_str();
+  char error[512] = "";
+  if (primary.nest(table, error, sizeof error) == 0) {
+    internal::PinThisCopy();
+    return true;
+  }
+  internal::MarkSeparate();
+  // At load time there is no caller to throw to: say it where a person will see it.
+  fprintf(stderr,
+          "forksafe: the copy of forksafe %s in %s could not nest in the copy of forksafe %s in "
+          "%s (%s); it makes its own pthread_atfork registration, so forks are not coordinated "
+          "between the two copies. Link forksafe once per process (libforksafe.so); see "
+          "forksafe/runtime/at_fork.h, \"One registry per process\"\n",
+          FORKSAFE_VERSION_STRING, internal::ThisInstance().object, primary.version,
+          primary.object, error);
+  return false;
+}
+
+namespace internal {
+
+// The primary's side: a nested copy becomes one handler of this registry.
+int NestInThisCopy(const forksafe_nested_v1* nested, char* error, size_t error_size) noexcept {
+  auto refuse = [&](const std::string& why) {
+    snprintf(error, error_size, "%s", why.c_str());
+    return 1;
+  };
+  try {
+    if (nested == nullptr || nested->struct_size < sizeof(forksafe_nested_v1)) {
+      return refuse("its nesting table is smaller than this copy's ABI expects");
+    }
+    const int slot = g_nested_count.load(std::memory_order_relaxed);  // under the loader's lock
+    if (slot >= kMaxNestedCopies) {
+      return refuse(absl::StrCat("this process already has ", kMaxNestedCopies,
+                                 " copies of forksafe nested in one registry, the most supported"));
+    }
+    AtForkHandler h;
+    h.name = nested->name != nullptr ? nested->name : "forksafe copy";
+    h.prepare = [nested](const PrepareAttempt& a) {
+      const forksafe_attempt_v1 c{a.number, a.last ? 1 : 0, a.fork_number, ToNs(a.deadline),
+                                  ToNs(a.wait_until)};
+      return nested->prepare(&c) != 0;
+    };
+    h.parent = [nested](bool) {
+      if (t_rolling_back) {
+        nested->roll_back();
+      } else {
+        nested->parent();
+      }
+    };
+    h.child = [nested](bool) { nested->child(); };
+    AtForkRegistry::Get().Register(nested, std::move(h));
+    g_nested[slot].store(nested, std::memory_order_release);
+    g_nested_count.store(slot + 1, std::memory_order_release);
+    PinThisCopy();
+    return 0;
+  } catch (const std::exception& e) {
+    return refuse(e.what());
+  } catch (...) {
+    return refuse("registering its handler failed");
+  }
+}
+
+void ReportEventFromNestedCopy(int32_t kind, const char* subsystem, const char* detail) noexcept {
+  const bool known = kind >= 0 && kind <= static_cast<int32_t>(ForkEventKind::kHandlerThrew);
+  try {
+    AtForkRegistry::ReportEvent(
+        known ? static_cast<ForkEventKind>(kind) : ForkEventKind::kSubsystemUnusable,
+        subsystem != nullptr ? subsystem : "", detail != nullptr ? detail : "");
+  } catch (...) {
+    // Out of memory building the strings: drop the event.
+  }
+}
+
+}  // namespace internal
 
 AtForkRegistration::AtForkRegistration(const void* handle, AtForkHandler handler)
     : handle_(handle) {
@@ -480,5 +746,12 @@ void SetForkEntryHooks(void (*entering)(), void (*entered)()) {
 }  // namespace internal
 
 uint64_t ForkGeneration() { return g_fork_generation.load(std::memory_order_relaxed); }
+
+namespace {
+// The registry is made, and this copy's role decided, at load time: constructors run one at a
+// time under the dynamic loader's lock, which is what makes the election safe
+// (runtime/internal/process_instance.h).
+const bool g_registry_at_load = (AtForkRegistry::Get(), true);
+}  // namespace
 
 }  // namespace forksafe::runtime

@@ -1,7 +1,8 @@
 // runtime/at_fork.h: the process-wide at-fork registry (the heart of forksafe).
 //
 // What it offers
-//   One registry per process and exactly one pthread_atfork() registration. Subsystems register
+//   One registry per process and exactly one pthread_atfork() registration (also when several
+//   copies of forksafe are loaded: see "One registry per process" below). Subsystems register
 //   a handler (prepare, parent, child) under a handle and unregister it by that handle. Every
 //   fork() of the process runs through it, whoever calls fork().
 //
@@ -52,6 +53,40 @@
 //   rolls back and retries, which lets a thread that holds the lock while it waits for something
 //   a prepared subsystem paused make progress. On the last attempt a refusal is final: the fork
 //   proceeds, the handler's parent and child callbacks get prepared == false.
+//
+// One registry per process, even with several copies of forksafe
+//   A process may hold several copies of forksafe: a program that links it statically and loads
+//   an extension that links libforksafe.so, or two shared objects that each link it statically,
+//   loaded with dlopen. Each copy exports the C symbol `forksafe_process_instance_v1`
+//   (runtime/internal/process_instance.h). At load time the first copy becomes the *primary*
+//   (role() == kPrimary) and makes the process's one pthread_atfork registration; every later
+//   copy *nests* (role() == kNested): it makes none, and its whole registry becomes one handler of
+//   the primary's, named "forksafe copy in <its file>". On each fork that handler runs one round
+//   of the nested copy's handlers per attempt of the primary (with the primary's attempt number,
+//   deadline and wait), so a "not yet" there rolls back and retries the whole fork; the nested
+//   copy then holds its own framework lock and registry until its parent/child phase. Events of
+//   the nested copy's handlers appear in the primary's ForkReport (and listener) as well as in
+//   its own. Both copies pin their objects (RTLD_NODELETE), so dlclose never unmaps code that the
+//   other calls.
+//   What a consumer sees: in the primary, HandlerNames() lists "forksafe copy in ..." and
+//   LastReport() holds every copy's events; in a nested copy, IsNested() is true,
+//   PrimaryObject() names the primary's file, HandlerNames() lists its own handlers, and
+//   LastReport()/fork_count()/the listener describe the forks as its own handlers saw them.
+//   Limits: each copy keeps its own framework lock, default pool and shm-manager client (all are
+//   held or drained across every fork, by the one registry); in a nested copy only
+//   AtForkOptions::attempt_wait and framework_lock_timeout apply (the primary's options rule the
+//   attempts and the deadline). oneTBB is one shared library per process, quiesced by the
+//   primary's handler only (a second scheduler handle made every finalize refuse): in a nested
+//   copy, TbbUsableInThisProcess() and ReleaseTbbScheduler() do not speak for the process, and a
+//   oneTBB linked statically into a nested copy is not quiesced. At most 16 copies nest in one
+//   primary; a 17th (or a copy whose nest call fails) says so on stderr and runs separately
+//   (role() == kSeparate), as without this mechanism.
+//   The rule: never hide `forksafe_process_instance_v1` (libforksafe.so's version script keeps it
+//   global; runtime/BUILD.bazel exports it from every Bazel-built executable with
+//   -Wl,--export-dynamic-symbol=forksafe_process_instance_v1: do the same when linking forksafe
+//   statically into a program with another build system). Load extensions RTLD_LOCAL (dlopen's
+//   default): with RTLD_GLOBAL, or a program linked with -rdynamic, the copies' C++ symbols bind
+//   to one another's by ELF interposition, and which copy's code runs is no longer defined.
 //
 // Hazards
 //   - Handlers run with the registry lock held: they must not wait for another thread that is
@@ -106,13 +141,14 @@ struct AtForkHandler {
 };
 
 /// What can go wrong during a fork without stopping it.
+/// The values are fixed: copies of forksafe in one process pass them to each other.
 enum class ForkEventKind {
-  kPrepareRetried,        ///< A prepare said "not yet"; the registry rolled back and retried.
-  kPrepareGaveUp,         ///< A prepare still refused on the last attempt; the fork went ahead.
-  kDrainDeadlineExceeded, ///< A pool had tasks still running when its drain deadline passed.
-  kFrameworkLockTimeout,  ///< The framework lock could not be taken in time.
-  kSubsystemUnusable,     ///< A subsystem is unusable in the child until rebuilt.
-  kHandlerThrew,          ///< A callback threw; the exception was swallowed.
+  kPrepareRetried = 0,         ///< A prepare said "not yet"; the registry rolled back and retried.
+  kPrepareGaveUp = 1,          ///< A prepare still refused on the last attempt; the fork went ahead.
+  kDrainDeadlineExceeded = 2,  ///< A pool had tasks still running when its drain deadline passed.
+  kFrameworkLockTimeout = 3,   ///< The framework lock could not be taken in time.
+  kSubsystemUnusable = 4,      ///< A subsystem is unusable in the child until rebuilt.
+  kHandlerThrew = 5,           ///< A callback threw; the exception was swallowed.
 };
 
 /// Returns a stable name for `kind` ("prepare_gave_up", ...).
@@ -149,6 +185,13 @@ struct AtForkOptions {
   std::chrono::milliseconds attempt_wait{50};
 };
 
+/// How this copy of forksafe's registry takes part in the process's forks.
+enum class RegistryRole {
+  kPrimary,   ///< It makes the process's pthread_atfork registration.
+  kNested,    ///< It runs as one handler inside another copy's (the primary's) registry.
+  kSeparate,  ///< It could not nest and runs its own pthread_atfork registration.
+};
+
 /// The process-wide registry. Obtain it with AtForkRegistry::Get(); it is never destroyed.
 /// Aligned so that its state, which is written after every fork, sits on one memory page: each
 /// page written after fork() costs a copy-on-write fault in the parent and in the child.
@@ -182,6 +225,14 @@ class alignas(1024) AtForkRegistry {
   /// Number of forks this process has made through the registry.
   uint64_t fork_count() const;
 
+  /// This copy's role in the process (see "One registry per process" above).
+  RegistryRole role() const;
+  /// True when this copy's registry is nested in another copy's.
+  bool IsNested() const { return role() == RegistryRole::kNested; }
+  /// The file of the object (shared library, or the program) whose copy of forksafe holds the
+  /// registry that runs this process's forks: this copy's own unless it is nested.
+  std::string PrimaryObject() const;
+
   /// Called in the parent, after the registry lock is released, for each fork whose report is
   /// not clean. Replaces any previous listener; pass an empty function to remove it.
   void SetEventListener(std::function<void(const ForkReport&)> listener);
@@ -208,9 +259,15 @@ class alignas(1024) AtForkRegistry {
   static void OnParent();
   static void OnChild();
   void Prepare();
+  bool PrepareRound(PrepareAttempt attempt, std::chrono::steady_clock::time_point cap,
+                    std::chrono::steady_clock::time_point started);
+  void RollBack(size_t from);
+  void TakeFrameworkLock();
+  void FinishParent();
   void Parent();
   void Child();
   void CheckNotInHandler(const char* what) const;
+  friend struct NestedCopy;  // a copy nested in another's registry (at_fork.cc)
 
   mutable std::mutex mu_;  // guards everything below; held from prepare to parent/child
   std::condition_variable fork_done_;  // a fork's parent phase ended (forking_ went false)
@@ -223,6 +280,12 @@ class alignas(1024) AtForkRegistry {
   bool framework_lock_taken_ = false;
   std::function<void(const ForkReport&)> listener_;
   DefaultFrameworkLock default_framework_lock_;  // on the same page as mu_ (see above)
+  // Only in a nested copy, guarded by mu_ like the rest: a fork of the primary has started here,
+  // this copy is prepared (mu_ and its framework lock held), its listener is owed a report.
+  bool nested_fork_open_ = false;
+  bool nested_held_ = false;
+  bool notify_pending_ = false;
+  std::chrono::steady_clock::time_point nested_started_{};
 
   friend DefaultFrameworkLock& internal_default_framework_lock();
 };

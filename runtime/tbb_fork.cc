@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/openmp_fork.h"
 #include "oneapi/tbb/global_control.h"
 
 namespace forksafe::runtime {
@@ -135,6 +136,12 @@ bool Prepare(const PrepareAttempt& attempt) {
 void InstallTbbForkHandler() {
   static std::once_flag once;
   std::call_once(once, [] {
+    // Registered before oneTBB's handler, so prepared after it (runtime/openmp_fork.h).
+    InstallOpenMpForkHandler();
+    // The process has one oneTBB (the shared libtbb.so.12) and one handler for it: a copy of
+    // forksafe nested in another's registry leaves it to the primary's, since a second lifetime
+    // handle would make every finalize refuse (runtime/at_fork.h, "One registry per process").
+    if (AtForkRegistry::Get().IsNested()) return;
     // Held from load time on, before any thread can run a oneTBB algorithm (see HoldScheduler).
     HoldScheduler(StateRef());
     AtForkHandler h;

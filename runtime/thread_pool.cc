@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/cpu_budget.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/fork_entry.h"
 #include "forksafe/runtime/tbb_fork.h"
@@ -183,7 +184,7 @@ void OnForkEntered() {
 ThreadPool::ThreadPool(ThreadPoolOptions options) : options_(std::move(options)) {
   if (options_.num_threads < 0) {
     throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("ThreadPoolOptions::num_threads must be >= 0 (0 = one per core), got ",
+                absl::StrCat("ThreadPoolOptions::num_threads must be >= 0 (0 = one per CPU this process may use), got ",
                              options_.num_threads));
   }
   if (options_.drain_deadline.count() < 0 || options_.drain_deadline > std::chrono::hours(24)) {
@@ -193,9 +194,9 @@ ThreadPool::ThreadPool(ThreadPoolOptions options) : options_(std::move(options))
                              " ms; a fork is bounded by the registry's prepare deadline anyway "
                              "(AtForkOptions::prepare_deadline)"));
   }
-  num_threads_ = options_.num_threads > 0
-                     ? options_.num_threads
-                     : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  // 0: the CPUs this process may use (affinity, cgroup quota, FORKSAFE_NUM_THREADS /
+  // OMP_NUM_THREADS: runtime/cpu_budget.h), read once here, never per task.
+  num_threads_ = options_.num_threads > 0 ? options_.num_threads : DefaultThreadCount();
   // oneTBB's handler must be registered before any pool: prepare runs in reverse order, so the
   // pools drain first and oneTBB is finalized after them.
   InstallTbbForkHandler();
@@ -242,7 +243,7 @@ ThreadPool::~ThreadPool() {
 
 ThreadPool& ThreadPool::Default() {
   static ThreadPool* pool = [] {
-    ThreadPoolOptions o;  // default deadline, one worker per core
+    ThreadPoolOptions o;  // default deadline, DefaultThreadCount() workers
     o.name = "default";
     return new ThreadPool(o);
   }();

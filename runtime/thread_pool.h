@@ -68,7 +68,9 @@ struct PrepareAttempt;  // runtime/at_fork.h
 
 /// Configuration of a ThreadPool.
 struct ThreadPoolOptions {
-  int num_threads = 0;  ///< 0 means std::thread::hardware_concurrency() (at least 1).
+  /// 0 means DefaultThreadCount() (runtime/cpu_budget.h): FORKSAFE_NUM_THREADS, else the first
+  /// number of OMP_NUM_THREADS, else the CPUs of the affinity mask and cgroup quota (at least 1).
+  int num_threads = 0;
   std::string name = "pool";
   /// How long prepare waits for in-flight tasks before letting the fork go ahead regardless
   /// (at most 24 h; never past the fork's own AtForkOptions::prepare_deadline).
@@ -92,7 +94,8 @@ struct PoolState;
 class ThreadPool {
  public:
   /// Creates the pool (no thread starts until the first task). Throws kInvalidArgument for a
-  /// negative thread count or deadline.
+  /// negative thread count or deadline, and, with num_threads == 0, for a malformed
+  /// FORKSAFE_NUM_THREADS or OMP_NUM_THREADS (runtime/cpu_budget.h).
   explicit ThreadPool(ThreadPoolOptions options = {});
   /// Runs every queued task, then joins the workers.
   ~ThreadPool();

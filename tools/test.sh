@@ -5,7 +5,9 @@
 # With FORKSAFE_SANITIZERS="asan ubsan" the suite runs again under each of those configurations
 # and the summary line counts every run (CI does this). With FORKSAFE_SOAK_SCALE=0.1 the soak
 # tests (tests/soak, tagged manual; see tools/soak.sh) run too, at that fraction of full size;
-# with FORKSAFE_FUZZ_SECONDS=30 each fuzz target (tools/fuzz.sh) runs 30 s.
+# with FORKSAFE_FUZZ_SECONDS=30 each fuzz target (tools/fuzz.sh) runs 30 s. After the plain
+# suite, the package's three consumers are built and run (tools/consumers.sh; each counts as one
+# test); FORKSAFE_CONSUMERS=0 skips them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh || exit 1
@@ -67,6 +69,23 @@ done < <(grep -E '^//[^ ]+ +(\(cached\) +)?(PASSED|FAILED|TIMEOUT|FLAKY|INCOMPLE
 }
 
 run_suite "$@"
+
+# The package's three consumers (tools/consumers.sh: CMake and pkg-config from an install into a
+# temporary prefix, and an outside Bazel workspace) each build and run
+# examples/consumers/framework.cc; each counts as one test. FORKSAFE_CONSUMERS=0 skips them.
+if [ "${FORKSAFE_CONSUMERS:-1}" != 0 ]; then
+  echo "=== bash tools/consumers.sh"
+  bash tools/consumers.sh 2>&1 | tee "$log"
+  consumers_status=${PIPESTATUS[0]}
+  consumers_passed="$(grep -c '^consumer .* PASSED' "$log")"
+  consumers_failed="$(grep -c '^consumer .* FAILED' "$log")"
+  if [ "$consumers_status" -ne 0 ]; then
+    status=1
+    [ "$consumers_failed" -eq 0 ] && consumers_failed=1  # it failed before any consumer ran
+  fi
+  passed=$((passed + consumers_passed)); failed=$((failed + consumers_failed))
+fi
+
 for config in ${FORKSAFE_SANITIZERS:-}; do
   run_suite --config="$config" "$@"
 done

@@ -13,7 +13,7 @@ def forksafe_fuzz_target(name, src, deps = [], size = "small"):
         srcs = [src, "replay_test.cc", "fuzz_target.h"],
         copts = ["-DFORKSAFE_FUZZ_TARGET=\\\"%s\\\"" % name],
         data = data,
-        deps = deps + ["@system//:gtest", "//mp:codec", "//runtime:error", "//tests:support"],
+        deps = deps + ["@forksafe_system//:gtest", "//mp:codec", "//runtime:error", "//tests:support"],
     )
     native.cc_binary(
         name = name + "_fuzzer",

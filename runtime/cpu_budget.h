@@ -1,0 +1,86 @@
+// runtime/cpu_budget.h: how many CPUs this process may really use (the default size of pools).
+//
+// What it offers
+//   GetCpuBudget() answers "how many threads should a pool that was given no size start?", and
+//   says why. ThreadPoolOptions::num_threads = 0 (runtime/thread_pool.h) and
+//   mp::PoolOptions::processes = 0 (mp/pool.h) both use DefaultThreadCount(). In order:
+//     1. FORKSAFE_NUM_THREADS, when set and not empty: that number, whatever the CPUs (it wins).
+//     2. OMP_NUM_THREADS, when set and not empty: the first number of its list ("8,2" -> 8), the
+//        variable most launchers (torchrun, srun scripts, MPI wrappers) already set per process.
+//     3. Otherwise the smaller of
+//        - the CPUs of this process's affinity mask (sched_getaffinity, sized for any number of
+//          CPUs): taskset, numactl, srun --cpu-bind, mpirun --bind-to, docker --cpuset-cpus;
+//        - the cgroup CPU quota, rounded up to whole CPUs: cgroup v2 cpu.max or v1
+//          cpu.cfs_quota_us / cpu.cfs_period_us of the process's cgroup and of every ancestor
+//          (the most restrictive wins): docker --cpus, Kubernetes CPU limits, systemd CPUQuota.
+//          Where the hierarchies are mounted is read from /proc/self/mountinfo.
+//        and never less than 1. std::thread::hardware_concurrency() counts the machine's CPUs and
+//        oversubscribes a process pinned to a few of them (the default before issue 14).
+//
+// Guarantees
+//   - An override is a whole decimal number in [1, kMaxThreadOverride], blanks around it allowed;
+//     OMP_NUM_THREADS is a comma-separated list of such numbers. Anything else (0, "-2", "4x",
+//     "auto", a number past the bound) is an Error(kInvalidArgument) that names the variable and
+//     its value and says what to set: a typo never silently becomes "one per CPU". An empty value
+//     is the same as an unset variable.
+//   - Computed anew on each call (one system call and a few small reads of /proc and /sys): the
+//     pools call it once, when they are created, never per task; a mask changed later (by
+//     sched_setaffinity, taskset -p) applies to pools created after the change.
+//   - A cgroup file that is missing or malformed is skipped, never guessed; an affinity mask that
+//     cannot be read falls back to hardware_concurrency().
+//   - Thread-safe, except that reading the environment races with a setenv() on another thread
+//     (the C library's rule for getenv).
+//
+// Hazards
+//   - The quota is a rate, not a set of CPUs: 1.5 CPUs of quota count as 2 threads, which run
+//     throttled 25% of each period when both are busy.
+//   - A pool created before the process is pinned (a default pool made at start-up, then
+//     taskset -p) keeps its size; size it explicitly or create it after pinning.
+#ifndef FORKSAFE_RUNTIME_CPU_BUDGET_H_
+#define FORKSAFE_RUNTIME_CPU_BUDGET_H_
+
+#include <string>
+
+namespace forksafe::runtime {
+
+/// The override that wins over everything else.
+inline constexpr char kForksafeNumThreadsEnv[] = "FORKSAFE_NUM_THREADS";
+/// OpenMP's variable; its first number is used when FORKSAFE_NUM_THREADS is not set.
+inline constexpr char kOmpNumThreadsEnv[] = "OMP_NUM_THREADS";
+/// The largest thread count an override may ask for.
+inline constexpr int kMaxThreadOverride = 65536;
+
+/// What decided CpuBudget::cpus.
+enum class CpuBudgetSource {
+  kForksafeNumThreads,  ///< The FORKSAFE_NUM_THREADS variable.
+  kOmpNumThreads,       ///< The first number of OMP_NUM_THREADS.
+  kCgroupQuota,         ///< A cgroup CPU quota smaller than the affinity mask.
+  kAffinity,            ///< The affinity mask (no quota, or a larger one).
+  kHardware,            ///< hardware_concurrency(): the mask could not be read.
+};
+
+/// A stable name for `source` ("FORKSAFE_NUM_THREADS", "cgroup_quota", "affinity", ...).
+const char* CpuBudgetSourceName(CpuBudgetSource source);
+
+/// The answer of GetCpuBudget, with what it was made of.
+struct CpuBudget {
+  int cpus = 1;  ///< The thread count to use by default: >= 1.
+  CpuBudgetSource source = CpuBudgetSource::kHardware;
+  int affinity_cpus = 0;   ///< CPUs in the affinity mask; 0 when it could not be read.
+  int quota_cpus = 0;      ///< The cgroup quota rounded up; 0 when there is none.
+  std::string quota_file;  ///< The cgroup file that set quota_cpus ("" when none).
+  int hardware_cpus = 0;   ///< std::thread::hardware_concurrency() (0 when unknown).
+  /// "2 CPUs (affinity; mask 2, cgroup quota none, machine 64)", for logs.
+  std::string ToString() const;
+};
+
+/// How many CPUs this process may use now, and why (see the banner). Throws
+/// Error(kInvalidArgument) for a malformed FORKSAFE_NUM_THREADS or OMP_NUM_THREADS.
+CpuBudget GetCpuBudget();
+
+/// GetCpuBudget().cpus: the default size of ThreadPool and mp::Pool.
+int DefaultThreadCount();
+
+}  // namespace forksafe::runtime
+
+#endif  // FORKSAFE_RUNTIME_CPU_BUDGET_H_
