@@ -67,35 +67,35 @@ Clock::time_point FromNs(int64_t ns) {
   return Clock::time_point(std::chrono::duration_cast<Clock::duration>(std::chrono::nanoseconds(ns)));
 }
 
-// The top of the process's initial stack (the kernel's "[stack]" mapping), read once; 0 when it
-// cannot be read. glibc never gives that stack to another thread. Not "the thread whose tid is
-// the pid": in a child forked from a worker thread, that thread has tid == pid and runs on a
-// stack glibc allocated, which the child's next fork gives back to glibc's cache.
-uintptr_t InitialStackTop() {
-  static const uintptr_t top = [] {
-    uintptr_t t = 0;
+// The process's initial stack (the kernel's "[stack]" mapping), read once; empty when it cannot
+// be read. glibc never gives that stack to another thread. Not "the thread whose tid is the
+// pid": in a child forked from a worker thread, that thread has tid == pid and runs on a stack
+// glibc allocated, which the child's next fork gives back to glibc's cache.
+struct StackRange {
+  uintptr_t lo = 0, hi = 0;
+};
+
+StackRange InitialStack() {
+  static const StackRange initial = [] {
+    StackRange r;
     FILE* f = fopen("/proc/self/maps", "re");
-    if (f == nullptr) return t;
+    if (f == nullptr) return r;
     char line[512];
     while (fgets(line, sizeof(line), f) != nullptr) {
       if (strstr(line, "[stack]") == nullptr) continue;
       unsigned long lo = 0, hi = 0;
-      if (sscanf(line, "%lx-%lx", &lo, &hi) == 2) t = hi;
+      if (sscanf(line, "%lx-%lx", &lo, &hi) == 2) r = StackRange{lo, hi};
       break;
     }
     fclose(f);
-    return t;
+    return r;
   }();
-  return top;
+  return initial;
 }
 
 // The calling thread's stack mapping (static TLS included for threads glibc created), found once
 // per thread. Empty for the thread on the initial stack (objects on it stay intact in a child),
 // and when it cannot be told.
-struct StackRange {
-  uintptr_t lo = 0, hi = 0;
-};
-
 StackRange ThisThreadsStack() {
   thread_local StackRange range = [] {
     StackRange r;
@@ -108,8 +108,12 @@ StackRange ThisThreadsStack() {
       r.hi = r.lo + size;
     }
     pthread_attr_destroy(&attr);
-    const uintptr_t initial = InitialStackTop();
-    if (initial == 0 || (r.lo < initial && initial <= r.hi)) return StackRange{};
+    // The main thread's range (pthread_getattr_np) overlaps the "[stack]" mapping; it need not
+    // contain the mapping's top: glibc ends it at __libc_stack_end rounded up to a page, which
+    // can be a page below the mapping's end (then every handle on the main thread's stack was
+    // taken for a vanishing thread's, and forgotten in children forked from other threads).
+    const StackRange initial = InitialStack();
+    if (initial.hi == 0 || (r.lo < initial.hi && initial.lo < r.hi)) return StackRange{};
     return r;
   }();
   return range;
@@ -163,7 +167,7 @@ AtForkRegistry& AtForkRegistry::Get() {
 }
 
 AtForkRegistry::AtForkRegistry() {
-  (void)InitialStackTop();  // read now, in the parent, not first in a child
+  (void)InitialStack();  // read now, in the parent, not first in a child
   g_this_registry = this;
   // Another copy of forksafe in the process already runs the forks: nest in it (at_fork.h, "One
   // registry per process").

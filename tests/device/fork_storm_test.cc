@@ -42,6 +42,14 @@ int ChildWork(runtime::ThreadPool& pool, bool fork_grandchild) {
   void* h = device::Allocate(device::kCPU, 4096);
   device::Free(device::kCPU, h);
   if (fork_grandchild) {
+    // `pool` lives on the main thread's stack, which stays intact in every child: its handler
+    // must stay registered in a child forked from another thread, or the child's next fork does
+    // not drain it and the grandchild inherits its condition variable with waiters that do not
+    // exist there (a grandchild hung in ThreadPool::Post, 2 of 8 runs, before the fix).
+    if (!runtime::AtForkRegistry::Get().IsRegistered(&pool)) {
+      fprintf(stderr, "the pool on the main thread's stack was forgotten in this child\n");
+      return 17;
+    }
     ChildResult gc = RunInChild([&pool] { return ChildWork(pool, false); }, 30s, 30);
     if (!gc.ok()) {
       fprintf(stderr, "grandchild: %s\n", gc.Describe().c_str());
