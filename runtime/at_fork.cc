@@ -15,13 +15,14 @@
 #include <thread>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/framework_lock.h"
 #include "forksafe/runtime/internal/at_fork_bypass.h"
 #include "forksafe/runtime/internal/fork_entry.h"
+#include "forksafe/runtime/internal/nested_copy.h"
 #include "forksafe/runtime/internal/process_instance.h"
-#include "forksafe/version.h"
 
 namespace forksafe::runtime {
 namespace {
@@ -37,34 +38,18 @@ void RunHook(const std::atomic<void (*)()>& hook) {
   if (void (*fn)() = hook.load(std::memory_order_acquire)) fn();
 }
 
-// In a primary: the copies nested in it (runtime/internal/process_instance.h), whose fork-entry
-// hooks and parent_done it calls on each fork. Slots are filled once and never emptied (nested
-// copies pin their objects); a copy past the last slot is refused and runs separately.
-constexpr int kMaxNestedCopies = 16;
-std::atomic<const forksafe_nested_v1*> g_nested[kMaxNestedCopies];
-std::atomic<int> g_nested_count{0};
-
-// Fork-entry hooks of this copy and of the first `nested` copies nested in it.
-void RunEntering(int nested) {
-  RunHook(g_entering);
-  for (int i = 0; i < nested; ++i) g_nested[i].load(std::memory_order_acquire)->entering();
-}
-void RunEntered(int nested) {
-  RunHook(g_entered);
-  for (int i = 0; i < nested; ++i) g_nested[i].load(std::memory_order_acquire)->entered();
-}
-
 AtForkRegistry* g_this_registry = nullptr;  // this copy's registry, set by its constructor
 
-// Joins the primary's registry; false (this copy then runs separately) when it refuses. Below.
-bool NestInPrimary(const forksafe_instance_v1& primary);
-
 using Clock = std::chrono::steady_clock;
-int64_t ToNs(Clock::time_point t) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
-}
-Clock::time_point FromNs(int64_t ns) {
-  return Clock::time_point(std::chrono::duration_cast<Clock::duration>(std::chrono::nanoseconds(ns)));
+
+// Records an event whose detail is built by `detail()`; building it may throw (out of memory), the
+// event is then dropped: nothing between the registry's lock and its unlock may throw.
+template <typename F>
+void Report(ForkEventKind kind, const std::string& subsystem, F&& detail) noexcept {
+  try {
+    AtForkRegistry::ReportEvent(kind, subsystem, detail());
+  } catch (...) {
+  }
 }
 
 // The process's initial stack (the kernel's "[stack]" mapping), read once; empty when it cannot
@@ -126,11 +111,11 @@ void RunQuietly(const std::function<void(bool)>& fn, bool prepared, const std::s
   try {
     fn(prepared);
   } catch (const std::exception& e) {
-    AtForkRegistry::ReportEvent(ForkEventKind::kHandlerThrew, name,
-                                absl::StrCat(phase, " callback threw: ", e.what()));
+    Report(ForkEventKind::kHandlerThrew, name,
+           [&] { return absl::StrCat(phase, " callback threw: ", e.what()); });
   } catch (...) {
-    AtForkRegistry::ReportEvent(ForkEventKind::kHandlerThrew, name,
-                                absl::StrCat(phase, " callback threw a non-std exception"));
+    Report(ForkEventKind::kHandlerThrew, name,
+           [&] { return absl::StrCat(phase, " callback threw a non-std exception"); });
   }
 }
 
@@ -172,7 +157,7 @@ AtForkRegistry::AtForkRegistry() {
   // Another copy of forksafe in the process already runs the forks: nest in it (at_fork.h, "One
   // registry per process").
   if (const forksafe_instance_v1* primary = internal::ElectProcessInstance()) {
-    if (NestInPrimary(*primary)) return;
+    if (internal::NestInPrimary(*primary)) return;
   }
   int rc = pthread_atfork(&AtForkRegistry::OnPrepare, &AtForkRegistry::OnParent,
                           &AtForkRegistry::OnChild);
@@ -180,10 +165,13 @@ AtForkRegistry::AtForkRegistry() {
 }
 
 RegistryRole AtForkRegistry::role() const {
+  // The constructor decides the role before Get() returns; deciding here too (a no-op then)
+  // keeps role() from ever reading an undecided one.
+  (void)internal::ElectProcessInstance();
   switch (__atomic_load_n(&internal::ThisInstance().role, __ATOMIC_ACQUIRE)) {
     case FORKSAFE_ROLE_NESTED: return RegistryRole::kNested;
     case FORKSAFE_ROLE_SEPARATE: return RegistryRole::kSeparate;
-    default: return RegistryRole::kPrimary;
+    default: return RegistryRole::kPrimary;  // FORKSAFE_ROLE_PRIMARY, the only one left
   }
 }
 
@@ -308,9 +296,16 @@ void AtForkRegistry::ReportEvent(ForkEventKind kind, const std::string& subsyste
   } catch (...) {
     // Out of memory while reporting: drop the event rather than disturb the fork.
   }
-  // A nested copy's events also go to the primary's report (and listener).
+  // A nested copy's events also go to the primary's report (and listener), under a name that
+  // says which copy they come from.
   if (const forksafe_instance_v1* primary = internal::PrimaryInstance()) {
-    primary->report_event(static_cast<int32_t>(kind), subsystem.c_str(), detail.c_str());
+    try {
+      const std::string named =
+          absl::StrCat("forksafe copy in ", internal::ThisInstance().object, ": ", subsystem);
+      primary->report_event(static_cast<int32_t>(kind), named.c_str(), detail.c_str());
+    } catch (...) {
+      primary->report_event(static_cast<int32_t>(kind), subsystem.c_str(), detail.c_str());
+    }
   }
 }
 
@@ -328,13 +323,15 @@ void AtForkRegistry::Prepare() {
   // A worker of a pool (of this copy or of a copy nested in it) that waits here for another
   // thread's fork must not be waited for by that fork's drain (runtime/internal/fork_entry.h).
   // The same copies get `entered` as got `entering`, even if one nests meanwhile.
-  const int nested = g_nested_count.load(std::memory_order_acquire);
-  RunEntering(nested);
+  const internal::NestedCopies nested = internal::CurrentNestedCopies();
+  RunHook(g_entering);
+  internal::RunNestedEntering(nested);
   std::unique_lock<std::mutex> lk(mu_);
   fork_done_.wait(lk, [this] { return !forking_; });
   forking_ = true;
   lk.release();  // mu_ stays locked until Parent() or Child(), except during back-off below
-  RunEntered(nested);
+  RunHook(g_entered);
+  internal::RunNestedEntered(nested);
   t_in_handler = true;
   current_ = ForkReport{};
   current_.fork_number = fork_count_ + 1;
@@ -359,7 +356,11 @@ void AtForkRegistry::Prepare() {
     mu_.lock();
     backoff = std::min(backoff * 2, options_.max_backoff);
   }
-  TakeFrameworkLock();
+  // The framework locks, last: this copy's, then each nested copy's, all within this copy's
+  // framework_lock_timeout.
+  const auto lock_until = Clock::now() + options_.framework_lock_timeout;
+  TakeFrameworkLock(lock_until);
+  internal::LockNestedFrameworks(lock_until);
 }
 
 // One round of prepare callbacks, in reverse registration order: the standalone loop above runs
@@ -381,8 +382,8 @@ bool AtForkRegistry::PrepareRound(PrepareAttempt attempt, Clock::time_point cap,
         ok = e.handler.prepare(attempt);
       } catch (const std::exception& ex) {
         ok = false;
-        ReportEvent(ForkEventKind::kHandlerThrew, e.handler.name,
-                    absl::StrCat("prepare threw: ", ex.what()));
+        Report(ForkEventKind::kHandlerThrew, e.handler.name,
+               [&] { return absl::StrCat("prepare threw: ", ex.what()); });
       } catch (...) {
         ok = false;
         ReportEvent(ForkEventKind::kHandlerThrew, e.handler.name, "prepare threw");
@@ -393,17 +394,18 @@ bool AtForkRegistry::PrepareRound(PrepareAttempt attempt, Clock::time_point cap,
       continue;
     }
     if (attempt.last) {
-      ReportEvent(ForkEventKind::kPrepareGaveUp, e.handler.name,
-                  absl::StrCat("could not be prepared after ", attempt.number, " attempt(s) in ",
-                               std::chrono::duration_cast<std::chrono::milliseconds>(
-                                   Clock::now() - started)
-                                   .count(),
-                               " ms; the fork proceeds and the child must treat this "
-                               "subsystem as unusable until it is rebuilt"));
+      Report(ForkEventKind::kPrepareGaveUp, e.handler.name, [&] {
+        return absl::StrCat(
+            "could not be prepared after ", attempt.number, " attempt(s) in ",
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started).count(),
+            " ms; the fork proceeds and the child must treat this subsystem as unusable until it "
+            "is rebuilt");
+      });
       continue;  // prepare the rest anyway
     }
-    ReportEvent(ForkEventKind::kPrepareRetried, e.handler.name,
-                absl::StrCat("not ready on attempt ", attempt.number, "; rolled back and retried"));
+    Report(ForkEventKind::kPrepareRetried, e.handler.name, [&] {
+      return absl::StrCat("not ready on attempt ", attempt.number, "; rolled back and retried");
+    });
     RollBack(i + 1);
     return false;
   }
@@ -423,59 +425,82 @@ void AtForkRegistry::RollBack(size_t from) {
   t_rolling_back = false;
 }
 
-// The framework lock: taken last, after every subsystem is quiet.
-void AtForkRegistry::TakeFrameworkLock() {
-  FrameworkLock& fl = GetFrameworkLock();
+// The framework lock: taken last, after every subsystem is quiet, waiting at most until `until`.
+// A custom lock (SetFrameworkLock) that throws counts as not taken.
+void AtForkRegistry::TakeFrameworkLock(Clock::time_point until) noexcept {
   framework_lock_taken_ = false;
-  if (fl.TryLockFor(options_.framework_lock_timeout)) {
-    framework_lock_taken_ = true;
-  } else {
-    ReportEvent(ForkEventKind::kFrameworkLockTimeout, "framework_lock",
-                absl::StrCat("another thread held the framework lock for more than ",
-                             options_.framework_lock_timeout.count(),
-                             " ms; the fork proceeds and the child gets a fresh lock"));
+  const auto started = Clock::now();
+  try {
+    const Clock::duration left =
+        std::max<Clock::duration>(until - started, Clock::duration::zero());
+    framework_lock_taken_ = GetFrameworkLock().TryLockFor(left);
+  } catch (const std::exception& ex) {
+    Report(ForkEventKind::kHandlerThrew, "framework_lock",
+           [&] { return absl::StrCat("the framework lock's TryLockFor threw: ", ex.what()); });
+    return;
+  } catch (...) {
+    Report(ForkEventKind::kHandlerThrew, "framework_lock",
+           [] { return std::string("the framework lock's TryLockFor threw"); });
+    return;
+  }
+  if (!framework_lock_taken_) {
+    Report(ForkEventKind::kFrameworkLockTimeout, "framework_lock", [&] {
+      return absl::StrCat(
+          "another thread held the framework lock for ",
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started).count(),
+          " ms, until the fork's framework-lock deadline; the fork proceeds and the child gets a "
+          "fresh lock");
+    });
   }
 }
 
 // The parent phase, up to (not including) the release of mu_.
-void AtForkRegistry::FinishParent() {
-  if (framework_lock_taken_) GetFrameworkLock().Unlock();
+// Throws nothing: the registry lock is released after it.
+void AtForkRegistry::FinishParent() noexcept {
+  if (framework_lock_taken_) {
+    try {
+      GetFrameworkLock().Unlock();
+    } catch (...) {
+      // A custom lock that throws on unlock: nothing better to do here.
+    }
+  }
   framework_lock_taken_ = false;
   for (Entry& e : entries_) RunQuietly(e.handler.parent, e.prepared, e.handler.name, "parent");
   ++fork_count_;
-  last_ = current_;
+  last_ = std::move(current_);  // no allocation: cannot throw
   t_in_handler = false;
   forking_ = false;
   fork_done_.notify_all();
 }
 
-namespace {
-void CallListener(const std::function<void(const ForkReport&)>& listener,
-                  const ForkReport& report) {
-  if (!listener || report.clean()) return;
-  try {
-    listener(report);
-  } catch (...) {
-    // A listener must not break the caller of fork().
-  }
-}
-}  // namespace
-
 void AtForkRegistry::Parent() {
-  FinishParent();
-  ForkReport report = last_;
-  std::function<void(const ForkReport&)> listener = listener_;
-  mu_.unlock();
-  const int nested = g_nested_count.load(std::memory_order_acquire);
-  for (int i = 0; i < nested; ++i) g_nested[i].load(std::memory_order_acquire)->parent_done();
-  CallListener(listener, report);
+  ForkReport report;
+  std::function<void(const ForkReport&)> listener;
+  {
+    const absl::Cleanup unlock = [this] { mu_.unlock(); };
+    FinishParent();
+    try {
+      if (listener_ && !last_.clean()) {
+        report = last_;
+        listener = listener_;
+      }
+    } catch (...) {
+      listener = nullptr;  // out of memory copying the report: no notification
+    }
+  }
+  internal::RunNestedParentDone();
+  internal::CallListener(listener, report);
 }
 
-void AtForkRegistry::Child() {
+void AtForkRegistry::Child() noexcept {
   g_fork_generation.fetch_add(1, std::memory_order_relaxed);
-  FrameworkLock& fl = GetFrameworkLock();
-  fl.ResetInChild();
-  if (framework_lock_taken_) fl.Unlock();
+  try {
+    FrameworkLock& fl = GetFrameworkLock();
+    fl.ResetInChild();
+    if (framework_lock_taken_) fl.Unlock();
+  } catch (...) {
+    // A custom lock that throws in the child: the registry must still be unlocked below.
+  }
   framework_lock_taken_ = false;
   for (Entry& e : entries_) RunQuietly(e.handler.child, e.prepared, e.handler.name, "child");
   // Objects on the stacks of threads that do not exist here: glibc hands those stacks to the
@@ -488,7 +513,7 @@ void AtForkRegistry::Child() {
                                 }),
                  entries_.end());
   fork_count_ = 0;  // the child has made no fork of its own yet
-  last_ = current_;
+  last_ = std::move(current_);  // no allocation: cannot throw
   t_in_handler = false;
   forking_ = false;
   // Threads of the parent may have waited on it; none of them exists here.
@@ -497,177 +522,22 @@ void AtForkRegistry::Child() {
   mu_.unlock();
 }
 
-// ---- Several copies of forksafe in one process (runtime/internal/process_instance.h) ----------
-
-// A nested copy's side: the entry points the primary calls, each on the forking thread while the
-// primary holds its own registry. They drive this copy's registry through the same rounds and
-// phases as a standalone fork; mu_ (and t_in_handler) stay held from a successful prepare until
-// roll_back, parent or child.
-struct NestedCopy {
-  static void Entering() { RunHook(g_entering); }
-  static void Entered() { RunHook(g_entered); }
-
-  static int Prepare(const forksafe_attempt_v1* c) {
-    AtForkRegistry& r = *g_this_registry;
-    r.mu_.lock();
-    t_in_handler = true;
-    if (!r.nested_fork_open_) {  // the primary's first call for this fork
-      r.nested_fork_open_ = true;
-      r.nested_started_ = Clock::now();
-      r.current_ = ForkReport{};
-      r.current_.fork_number = c->fork_number;
-    }
-    r.current_.attempts = c->number;
-    const PrepareAttempt a{c->number, c->last != 0, c->fork_number, FromNs(c->deadline_ns),
-                           FromNs(c->deadline_ns)};
-    if (!r.PrepareRound(a, FromNs(c->wait_until_ns), r.nested_started_)) {
-      t_in_handler = false;
-      r.mu_.unlock();
-      return 0;
-    }
-    r.TakeFrameworkLock();
-    r.nested_held_ = true;
-    return 1;
-  }
-
-  // The primary rolls back a round in which this copy was prepared.
-  static void RollBack() {
-    AtForkRegistry& r = *g_this_registry;
-    if (!r.nested_held_) return;
-    r.nested_held_ = false;
-    if (r.framework_lock_taken_) GetFrameworkLock().Unlock();
-    r.framework_lock_taken_ = false;
-    r.RollBack(0);
-    t_in_handler = false;
-    r.mu_.unlock();
-  }
-
-  static void Parent() {
-    AtForkRegistry& r = *g_this_registry;
-    if (!r.nested_held_) return;
-    r.nested_held_ = false;
-    r.nested_fork_open_ = false;
-    r.FinishParent();
-    r.notify_pending_ = !r.last_.clean();
-    r.mu_.unlock();
-  }
-
-  static void Child() {
-    AtForkRegistry& r = *g_this_registry;
-    if (!r.nested_held_) return;
-    r.nested_held_ = false;
-    r.nested_fork_open_ = false;
-    r.notify_pending_ = false;
-    r.Child();
-  }
-
-  // In the parent, after the primary released its registry: this copy's listener.
-  static void ParentDone() {
-    AtForkRegistry& r = *g_this_registry;
-    ForkReport report;
-    std::function<void(const ForkReport&)> listener;
-    try {
-      std::lock_guard<std::mutex> lk(r.mu_);
-      if (!r.notify_pending_) return;
-      r.notify_pending_ = false;
-      report = r.last_;
-      listener = r.listener_;
-    } catch (...) {
-      return;  // out of memory copying the report: no notification
-    }
-    CallListener(listener, report);
-  }
-
-  static bool Nest(const forksafe_instance_v1& primary);
-};
-
-namespace {
-const forksafe_nested_v1 kThisNestedCopy = {
-    sizeof(forksafe_nested_v1), nullptr,          &NestedCopy::Entering, &NestedCopy::Entered,
-    &NestedCopy::Prepare,       &NestedCopy::RollBack, &NestedCopy::Parent, &NestedCopy::Child,
-    &NestedCopy::ParentDone,
-};
-bool NestInPrimary(const forksafe_instance_v1& primary) { return NestedCopy::Nest(primary); }
-}  // namespace
-
-bool NestedCopy::Nest(const forksafe_instance_v1& primary) {
-  // Leaked: the primary keeps pointers to both for the life of the process.
-  static auto* name =
-      new std::string(absl::StrCat("forksafe copy in ", internal::ThisInstance().object));
-  static auto* table = new forksafe_nested_v1(kThisNestedCopy);
-  table->name = name->c_str();
-  char error[512] = "";
-  if (primary.nest(table, error, sizeof error) == 0) {
-    internal::PinThisCopy();
-    return true;
-  }
-  internal::MarkSeparate();
-  // At load time there is no caller to throw to: say it where a person will see it.
-  fprintf(stderr,
-          "forksafe: the copy of forksafe %s in %s could not nest in the copy of forksafe %s in "
-          "%s (%s); it makes its own pthread_atfork registration, so forks are not coordinated "
-          "between the two copies. Link forksafe once per process (libforksafe.so); see "
-          "forksafe/runtime/at_fork.h, \"One registry per process\"\n",
-          FORKSAFE_VERSION_STRING, internal::ThisInstance().object, primary.version,
-          primary.object, error);
-  return false;
-}
-
 namespace internal {
-
-// The primary's side: a nested copy becomes one handler of this registry.
-int NestInThisCopy(const forksafe_nested_v1* nested, char* error, size_t error_size) noexcept {
-  auto refuse = [&](const std::string& why) {
-    snprintf(error, error_size, "%s", why.c_str());
-    return 1;
-  };
+const forksafe_instance_v1* InterposableCopyIdentity() { return &ThisInstance(); }
+AtForkRegistry& ThisRegistry() noexcept { return *g_this_registry; }
+void SetInForkHandler(bool in) noexcept { t_in_handler = in; }
+bool RollingBack() noexcept { return t_rolling_back; }
+void RunThisCopysEntering() noexcept { RunHook(g_entering); }
+void RunThisCopysEntered() noexcept { RunHook(g_entered); }
+void CallListener(const std::function<void(const ForkReport&)>& listener,
+                  const ForkReport& report) noexcept {
+  if (!listener || report.clean()) return;
   try {
-    if (nested == nullptr || nested->struct_size < sizeof(forksafe_nested_v1)) {
-      return refuse("its nesting table is smaller than this copy's ABI expects");
-    }
-    const int slot = g_nested_count.load(std::memory_order_relaxed);  // under the loader's lock
-    if (slot >= kMaxNestedCopies) {
-      return refuse(absl::StrCat("this process already has ", kMaxNestedCopies,
-                                 " copies of forksafe nested in one registry, the most supported"));
-    }
-    AtForkHandler h;
-    h.name = nested->name != nullptr ? nested->name : "forksafe copy";
-    h.prepare = [nested](const PrepareAttempt& a) {
-      const forksafe_attempt_v1 c{a.number, a.last ? 1 : 0, a.fork_number, ToNs(a.deadline),
-                                  ToNs(a.wait_until)};
-      return nested->prepare(&c) != 0;
-    };
-    h.parent = [nested](bool) {
-      if (t_rolling_back) {
-        nested->roll_back();
-      } else {
-        nested->parent();
-      }
-    };
-    h.child = [nested](bool) { nested->child(); };
-    AtForkRegistry::Get().Register(nested, std::move(h));
-    g_nested[slot].store(nested, std::memory_order_release);
-    g_nested_count.store(slot + 1, std::memory_order_release);
-    PinThisCopy();
-    return 0;
-  } catch (const std::exception& e) {
-    return refuse(e.what());
+    listener(report);
   } catch (...) {
-    return refuse("registering its handler failed");
+    // A listener must not break the caller of fork().
   }
 }
-
-void ReportEventFromNestedCopy(int32_t kind, const char* subsystem, const char* detail) noexcept {
-  const bool known = kind >= 0 && kind <= static_cast<int32_t>(ForkEventKind::kHandlerThrew);
-  try {
-    AtForkRegistry::ReportEvent(
-        known ? static_cast<ForkEventKind>(kind) : ForkEventKind::kSubsystemUnusable,
-        subsystem != nullptr ? subsystem : "", detail != nullptr ? detail : "");
-  } catch (...) {
-    // Out of memory building the strings: drop the event.
-  }
-}
-
 }  // namespace internal
 
 AtForkRegistration::AtForkRegistration(const void* handle, AtForkHandler handler)

@@ -61,32 +61,53 @@
 //   (runtime/internal/process_instance.h). At load time the first copy becomes the *primary*
 //   (role() == kPrimary) and makes the process's one pthread_atfork registration; every later
 //   copy *nests* (role() == kNested): it makes none, and its whole registry becomes one handler of
-//   the primary's, named "forksafe copy in <its file>". On each fork that handler runs one round
-//   of the nested copy's handlers per attempt of the primary (with the primary's attempt number,
-//   deadline and wait), so a "not yet" there rolls back and retries the whole fork; the nested
-//   copy then holds its own framework lock and registry until its parent/child phase. Events of
-//   the nested copy's handlers appear in the primary's ForkReport (and listener) as well as in
-//   its own. Both copies pin their objects (RTLD_NODELETE), so dlclose never unmaps code that the
-//   other calls.
+//   the primary's, named "forksafe copy in <its file>". The election is serialized even when two
+//   copies load at once on two threads (runtime/internal/process_instance.h). On each fork that
+//   handler runs one round of the nested copy's handlers per attempt of the primary (with the
+//   primary's attempt number, deadline and wait), so a "not yet" there rolls back and retries the
+//   whole fork; the nested copy then holds its registry until its parent/child phase. The
+//   framework locks are taken last, after every handler of every copy is prepared: the
+//   primary's, then each nested copy's, all within the primary's framework_lock_timeout. When a
+//   nested copy cannot be prepared by the primary's last attempt (its registry lock stayed busy),
+//   the primary records kPrepareGaveUp for "forksafe copy in ...", and in the child every handler
+//   of that copy runs its child callback with prepared == false. Events of the nested copy's
+//   handlers appear in its own report and, named "forksafe copy in <its file>: <subsystem>", in
+//   the primary's ForkReport (and listener). Both copies pin their objects (RTLD_NODELETE), so
+//   dlclose never unmaps code that the other calls; a copy that cannot be pinned does not nest.
 //   What a consumer sees: in the primary, HandlerNames() lists "forksafe copy in ..." and
 //   LastReport() holds every copy's events; in a nested copy, IsNested() is true,
 //   PrimaryObject() names the primary's file, HandlerNames() lists its own handlers, and
-//   LastReport()/fork_count()/the listener describe the forks as its own handlers saw them.
+//   LastReport()/fork_count()/the listener (called on the forking thread after the primary's
+//   registry is released) describe the forks as its own handlers saw them.
 //   Limits: each copy keeps its own framework lock, default pool and shm-manager client (all are
 //   held or drained across every fork, by the one registry); in a nested copy only
 //   AtForkOptions::attempt_wait and framework_lock_timeout apply (the primary's options rule the
-//   attempts and the deadline). oneTBB is one shared library per process, quiesced by the
-//   primary's handler only (a second scheduler handle made every finalize refuse): in a nested
-//   copy, TbbUsableInThisProcess() and ReleaseTbbScheduler() do not speak for the process, and a
-//   oneTBB linked statically into a nested copy is not quiesced. At most 16 copies nest in one
-//   primary; a 17th (or a copy whose nest call fails) says so on stderr and runs separately
-//   (role() == kSeparate), as without this mechanism.
-//   The rule: never hide `forksafe_process_instance_v1` (libforksafe.so's version script keeps it
-//   global; runtime/BUILD.bazel exports it from every Bazel-built executable with
-//   -Wl,--export-dynamic-symbol=forksafe_process_instance_v1: do the same when linking forksafe
-//   statically into a program with another build system). Load extensions RTLD_LOCAL (dlopen's
-//   default): with RTLD_GLOBAL, or a program linked with -rdynamic, the copies' C++ symbols bind
-//   to one another's by ELF interposition, and which copy's code runs is no longer defined.
+//   attempts, the deadline, and cap the framework-lock wait). oneTBB and OpenMP are one shared
+//   runtime per process, quiesced by the primary's handlers only ("onetbb", "openmp"; a second
+//   oneTBB scheduler handle made every finalize refuse): in a nested copy,
+//   TbbUsableInThisProcess(), ReleaseTbbScheduler() and OpenMpUsableInThisProcess() do not speak
+//   for the process, and a oneTBB or OpenMP runtime linked statically into a nested copy is not
+//   quiesced. At most 16 copies nest in one primary. A copy that cannot nest (a 17th, one whose
+//   object cannot be pinned, one refused by the primary) never runs silently: at load, where there
+//   is no caller to throw to, it prints one line on stderr naming both copies, why, and what to do,
+//   and then runs separately (role() == kSeparate) with its own pthread_atfork registration, as
+//   without this mechanism.
+//   The rules:
+//   - Keep each copy's ELF note (section .note.forksafe): the copies find each other through it
+//     (and through the exported symbol `forksafe_process_instance_v1`), so a version script with
+//     `local: *;` or -Wl,--exclude-libs,ALL does not hide a copy. A linker script that discards
+//     .note.* sections, or a tool that strips that note, does: such a copy runs as a primary with
+//     its own registration, a second registry that knows nothing of the others, and nothing
+//     says so. A program linked fully statically (no dynamic loader) holds one copy only.
+//   - A shared object that links forksafe statically must call its own copy: build that copy with
+//     -fvisibility=hidden, or link the object with -Wl,-Bsymbolic-functions (or link it against
+//     libforksafe.so instead). Otherwise, when another copy's C++ symbols are in the process's
+//     global scope (a program linked with -lforksafe or -rdynamic, an object loaded RTLD_GLOBAL),
+//     the object's calls of forksafe functions bind to that copy's by ELF interposition, even
+//     when the object itself is loaded RTLD_LOCAL: it never elects, and runs a mix of both
+//     copies' code. forksafe detects this at load and says so on stderr; it cannot undo it.
+//     Loading such objects RTLD_LOCAL (dlopen's and Python's default) keeps their own symbols out
+//     of the global scope, so that they do not interpose the copies loaded after them.
 //
 // Hazards
 //   - Handlers run with the registry lock held: they must not wait for another thread that is
@@ -185,12 +206,15 @@ struct AtForkOptions {
   std::chrono::milliseconds attempt_wait{50};
 };
 
-/// How this copy of forksafe's registry takes part in the process's forks.
+/// How this copy of forksafe's registry takes part in the process's forks. Decided at load time,
+/// before Get() first returns.
 enum class RegistryRole {
   kPrimary,   ///< It makes the process's pthread_atfork registration.
   kNested,    ///< It runs as one handler inside another copy's (the primary's) registry.
-  kSeparate,  ///< It could not nest and runs its own pthread_atfork registration.
+  kSeparate,  ///< It could not nest (it said why on stderr) and runs its own registration.
 };
+
+struct __attribute__((visibility("hidden"))) NestedCopy;  // not for users (internal/nested_copy.cc)
 
 /// The process-wide registry. Obtain it with AtForkRegistry::Get(); it is never destroyed.
 /// Aligned so that its state, which is written after every fork, sits on one memory page: each
@@ -262,12 +286,12 @@ class alignas(1024) AtForkRegistry {
   bool PrepareRound(PrepareAttempt attempt, std::chrono::steady_clock::time_point cap,
                     std::chrono::steady_clock::time_point started);
   void RollBack(size_t from);
-  void TakeFrameworkLock();
-  void FinishParent();
+  void TakeFrameworkLock(std::chrono::steady_clock::time_point until) noexcept;
+  void FinishParent() noexcept;
   void Parent();
-  void Child();
+  void Child() noexcept;
   void CheckNotInHandler(const char* what) const;
-  friend struct NestedCopy;  // a copy nested in another's registry (at_fork.cc)
+  friend struct NestedCopy;  // a copy nested in another's registry (internal/nested_copy.cc)
 
   mutable std::mutex mu_;  // guards everything below; held from prepare to parent/child
   std::condition_variable fork_done_;  // a fork's parent phase ended (forking_ went false)
@@ -280,12 +304,6 @@ class alignas(1024) AtForkRegistry {
   bool framework_lock_taken_ = false;
   std::function<void(const ForkReport&)> listener_;
   DefaultFrameworkLock default_framework_lock_;  // on the same page as mu_ (see above)
-  // Only in a nested copy, guarded by mu_ like the rest: a fork of the primary has started here,
-  // this copy is prepared (mu_ and its framework lock held), its listener is owed a report.
-  bool nested_fork_open_ = false;
-  bool nested_held_ = false;
-  bool notify_pending_ = false;
-  std::chrono::steady_clock::time_point nested_started_{};
 
   friend DefaultFrameworkLock& internal_default_framework_lock();
 };

@@ -151,6 +151,10 @@ bool Prepare(const PrepareAttempt& attempt) {
 void InstallOpenMpForkHandler() {
   static std::once_flag once;
   std::call_once(once, [] {
+    // The process has one OpenMP runtime (a shared libgomp), paused by the primary copy of
+    // forksafe's handler: a copy nested in another's registry registers none (runtime/at_fork.h,
+    // "One registry per process").
+    if (AtForkRegistry::Get().IsNested()) return;
     AtForkHandler h;
     h.name = "openmp";
     h.prepare = Prepare;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <string>
@@ -29,11 +30,19 @@ struct PluginCopy {
   int (*start)() = nullptr;
   void (*hold_for_ms)(int ms) = nullptr;
   void (*stop)() = nullptr;
+  void (*set_throwing_framework_lock)() = nullptr;
+  void (*set_listener)() = nullptr;
+  int (*listener_calls)() = nullptr;
+  int (*fork_from_worker)() = nullptr;
+  void (*hold_framework_lock_for_ms)(int ms) = nullptr;
+  int64_t (*framework_lock_released_ns)() = nullptr;
+  int (*framework_lock_held_here)() = nullptr;
 };
 
 /// Loads tests/runtime/<file> from the test's runfiles (the working directory of a Bazel test),
-/// once per process. Returns nullptr and sets *error when it cannot.
-inline PluginCopy* LoadCopy(const std::string& file, std::string* error) {
+/// once per process, with dlopen(RTLD_NOW | `scope`) (RTLD_LOCAL unless told). Returns nullptr
+/// and sets *error when it cannot.
+inline PluginCopy* LoadCopy(const std::string& file, std::string* error, int scope = RTLD_LOCAL) {
   static auto* loaded = new std::map<std::string, std::unique_ptr<PluginCopy>>();
   auto it = loaded->find(file);
   if (it != loaded->end()) return it->second.get();
@@ -44,7 +53,7 @@ inline PluginCopy* LoadCopy(const std::string& file, std::string* error) {
   }
   auto copy = std::make_unique<PluginCopy>();
   copy->path = std::string(cwd) + "/tests/runtime/" + file;
-  void* h = dlopen(copy->path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  void* h = dlopen(copy->path.c_str(), RTLD_NOW | scope);
   if (h == nullptr) {
     *error = std::string("dlopen: ") + dlerror();
     return nullptr;
@@ -67,10 +76,44 @@ inline PluginCopy* LoadCopy(const std::string& file, std::string* error) {
   find(copy->start, "copy_start");
   find(copy->hold_for_ms, "copy_hold_for_ms");
   find(copy->stop, "copy_stop");
+  find(copy->set_throwing_framework_lock, "copy_set_throwing_framework_lock");
+  find(copy->set_listener, "copy_set_listener");
+  find(copy->listener_calls, "copy_listener_calls");
+  find(copy->fork_from_worker, "copy_fork_from_worker");
+  find(copy->hold_framework_lock_for_ms, "copy_hold_framework_lock_for_ms");
+  find(copy->framework_lock_released_ns, "copy_framework_lock_released_ns");
+  find(copy->framework_lock_held_here, "copy_framework_lock_held_here");
   if (!ok) return nullptr;
   PluginCopy* result = copy.get();
   (*loaded)[file] = std::move(copy);
   return result;
+}
+
+/// Runs `body` with this process's stderr (descriptor 2) sent to a temporary file, and returns
+/// what was written there (a copy that loads says what went wrong on stderr).
+template <typename F>
+std::string CaptureStderr(F&& body) {
+  std::fflush(stderr);
+  FILE* file = std::tmpfile();
+  const int saved = dup(2);
+  if (file == nullptr || saved < 0) {
+    if (file != nullptr) std::fclose(file);
+    if (saved >= 0) close(saved);
+    body();
+    return "(stderr could not be captured)";
+  }
+  dup2(fileno(file), 2);
+  body();
+  std::fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  std::string text;
+  std::rewind(file);
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, file)) > 0) text.append(buf, n);
+  std::fclose(file);
+  return text;
 }
 
 }  // namespace forksafe::testing

@@ -7,16 +7,23 @@
 // (some run a oneTBB algorithm), and a mutex held across every fork (HoldAcrossFork) that a second thread keeps taking.
 // Strings returned by these functions live until the next call of the same function on the same
 // thread.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/framework_lock.h"
 #include "forksafe/runtime/thread_pool.h"
 #include "tests/support/workloads.h"
 
@@ -65,6 +72,8 @@ struct Busy {
 };
 Busy* g_busy = nullptr;       // between copy_start and copy_stop (test thread only)
 std::thread g_holder;         // copy_hold_for_ms's thread, joined by the next call or copy_stop
+std::thread g_lock_holder;    // copy_hold_framework_lock_for_ms's thread, likewise
+std::atomic<int64_t> g_lock_released_ns{0};  // when g_lock_holder let go (steady clock)
 
 const char* Keep(std::string s) {
   thread_local std::string text;
@@ -78,6 +87,8 @@ extern "C" {
 
 // 0 primary, 1 nested, 2 separate.
 int copy_role() {
+  // (AtForkRegistry::Get() here is this copy's, unless a copy in the global scope interposes it:
+  // two_copies_interpose_test.)
   switch (AtForkRegistry::Get().role()) {
     case RegistryRole::kPrimary: return 0;
     case RegistryRole::kNested: return 1;
@@ -192,9 +203,93 @@ void copy_hold_for_ms(int ms) {
   taken.wait();
 }
 
+// From now on this copy's framework lock throws from TryLockFor (a custom lock gone wrong). For a
+// forked child only: the lock stays installed for the rest of the process.
+void copy_set_throwing_framework_lock() {
+  struct Throwing final : forksafe::runtime::FrameworkLock {
+    void Lock() override {}
+    bool TryLockFor(std::chrono::nanoseconds) override {
+      throw std::runtime_error("this framework lock throws (test)");
+    }
+    void Unlock() override {}
+    bool HeldByCurrentThread() const override { return false; }
+    void ResetInChild() override {}
+  };
+  static Throwing* lock = new Throwing();
+  forksafe::runtime::SetFrameworkLock(lock);
+}
+
+// Installs (once) a listener on this copy's registry that counts the reports it is given.
+static std::atomic<int> g_listener_calls{0};
+void copy_set_listener() {
+  AtForkRegistry::Get().SetEventListener(
+      [](const forksafe::runtime::ForkReport&) { g_listener_calls.fetch_add(1); });
+}
+int copy_listener_calls() { return g_listener_calls.load(); }
+
+// A task of this copy's pool forks; the child runs 8 tasks on the pool (started afresh there)
+// and exits 0. Returns 0 when the child did so within 30 s, nonzero otherwise.
+int copy_fork_from_worker() {
+  Copy& c = TheCopy();
+  std::future<int> forked = c.pool->Submit([&c]() -> int {
+    const pid_t pid = fork();
+    if (pid < 0) return 10;
+    if (pid == 0) {
+      alarm(30);
+      std::vector<std::future<int>> r;
+      for (int i = 0; i < 8; ++i) r.push_back(c.pool->Submit([i] { return i; }));
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      for (int i = 0; i < 8; ++i) {
+        if (r[i].wait_until(until) != std::future_status::ready || r[i].get() != i) _exit(1);
+      }
+      _exit(0);
+    }
+    int status = 0;
+    for (int waited_ms = 0; waited_ms < 30000; waited_ms += 5) {
+      const pid_t done = waitpid(pid, &status, WNOHANG);
+      if (done == pid) return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 11;
+      if (done < 0) return 12;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    return 13;
+  });
+  if (forked.wait_for(std::chrono::seconds(40)) != std::future_status::ready) return 14;
+  return forked.get();
+}
+
+// A thread takes this copy's framework lock for `ms` milliseconds; returns once it holds it.
+void copy_hold_framework_lock_for_ms(int ms) {
+  if (g_lock_holder.joinable()) g_lock_holder.join();
+  g_lock_released_ns.store(0);
+  std::promise<void> holding;
+  std::future<void> taken = holding.get_future();
+  g_lock_holder = std::thread([ms, holding = std::move(holding)]() mutable {
+    {
+      forksafe::runtime::FrameworkLockGuard lk;
+      holding.set_value();
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      g_lock_released_ns.store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+    }
+  });
+  taken.wait();
+}
+
+// When copy_hold_framework_lock_for_ms's thread let go (steady-clock ns), 0 while it holds it.
+int64_t copy_framework_lock_released_ns() { return g_lock_released_ns.load(); }
+
+// 1 when the calling thread holds this copy's framework lock (called from a prepare callback).
+int copy_framework_lock_held_here() {
+  return forksafe::runtime::GetFrameworkLock().HeldByCurrentThread() ? 1 : 0;
+}
+
 // Stops the busy work and joins every thread this file started.
 void copy_stop() {
   if (g_holder.joinable()) g_holder.join();
+  if (g_lock_holder.joinable()) g_lock_holder.join();
   if (g_busy == nullptr) return;
   g_busy->stop.store(true);
   g_busy->feeder.join();
