@@ -16,6 +16,7 @@
 #include "forksafe/runtime/cpu_budget.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/fork_entry.h"
+#include "forksafe/runtime/internal/openmp_order.h"
 #include "forksafe/runtime/tbb_fork.h"
 
 namespace forksafe::runtime {
@@ -37,6 +38,10 @@ struct PoolState {
   int live = 0;     // workers inside WorkerLoop
   int running = 0;  // tasks in flight (on workers and on threads that help)
   int forking_workers = 0;  // workers inside fork(), waiting for another thread's fork
+  // Workers that left their loop and that some thread took off `workers` to join, not yet
+  // joined: their threads may still be running thread_local destructors. A drain is complete only
+  // when this is 0 too (a Post on another thread may be joining a worker the drain let go).
+  int joining = 0;
   bool paused = false;
   bool stopping = false;
   uint64_t generation = ForkGeneration();
@@ -54,6 +59,9 @@ thread_local PoolState* t_worker_state = nullptr;
 // Runs one task on this thread; returns whether it threw. The task (and what it captured) is
 // destroyed before returning.
 bool RunTask(std::function<void()> task) {
+  // Keeps the at-fork registry prepared before OpenMP runtimes that a task may use
+  // (runtime/openmp_fork.h, "LLVM libomp and Intel libiomp5"); a clock read most of the time.
+  internal::OrderForkHandlersAfterOpenMpFromPool();
   try {
     task();
   } catch (...) {
@@ -132,8 +140,9 @@ bool JoinIfEndedBy(std::thread& t, std::chrono::steady_clock::time_point until) 
 // With `until` (inside a fork callback, the registry held) a worker whose thread has not ended by
 // then is left for a later call: its thread_local destructors may be waiting for the registry
 // (an AtForkRegistration, a thread_local pool), and an unbounded join would deadlock the fork.
-void ReapExitedLocked(PoolState* s, std::unique_lock<std::mutex>& lk,
-                      std::optional<std::chrono::steady_clock::time_point> until = std::nullopt) {
+// Returns how many such threads are still running.
+int ReapExitedLocked(PoolState* s, std::unique_lock<std::mutex>& lk,
+                     std::optional<std::chrono::steady_clock::time_point> until = std::nullopt) {
   std::vector<std::thread> done;
   for (auto it = s->workers.begin(); it != s->workers.end();) {
     if (it->exited) {
@@ -143,7 +152,9 @@ void ReapExitedLocked(PoolState* s, std::unique_lock<std::mutex>& lk,
       ++it;
     }
   }
-  if (done.empty()) return;
+  if (done.empty()) return 0;
+  const int taken = static_cast<int>(done.size());
+  s->joining += taken;
   lk.unlock();
   std::vector<std::thread> later;
   for (std::thread& t : done) {
@@ -155,11 +166,14 @@ void ReapExitedLocked(PoolState* s, std::unique_lock<std::mutex>& lk,
     }
   }
   lk.lock();
+  s->joining -= taken;
   for (std::thread& t : later) {
     s->workers.emplace_back();
     s->workers.back().thread = std::move(t);
     s->workers.back().exited = true;
   }
+  if (s->paused) s->drain_cv.notify_all();
+  return static_cast<int>(later.size());
 }
 
 // The registry's fork-entry hooks (runtime/internal/fork_entry.h): a worker inside fork(), waiting
@@ -403,6 +417,7 @@ ThreadPoolStats ThreadPool::stats() const {
   }
   out.forks_drained = forks_drained_.load();
   out.drain_timeouts = drain_timeouts_.load();
+  out.exit_waits = exit_waits_.load();
   out.rebuilt_in_child = rebuilt_in_child_.load();
   return out;
 }
@@ -443,21 +458,45 @@ bool ThreadPool::PrepareFork(const PrepareAttempt& attempt) {
   // finish first), and tasks that threads other than workers run for themselves (TryRunOne).
   const bool drained = s->drain_cv.wait_until(
       lk, wait_until, [s, self] { return s->live <= self + s->forking_workers; });
-  // Workers that left their loop are joined if their threads end in time: a thread still running
-  // its thread_local destructors may wait for the registry this fork holds. The next Post, or
-  // the destructor, joins what is left.
-  ReapExitedLocked(s, lk, std::max(wait_until, std::chrono::steady_clock::now() +
-                                                   std::chrono::milliseconds(10)));
-  if (drained) {
+  // Workers that left their loop are joined if their threads end in time. A thread that has not
+  // ended is still running its thread_local destructors, and they take other libraries' locks
+  // (tbbmalloc returns a thread's caches under its own: a fork in that moment handed the child a
+  // held lock, and its first oneTBB algorithm spun for ever; tests/soak/fork_soak_test, about 1
+  // fork in 25,000 under load). So the pool is drained only when every such thread has ended;
+  // otherwise this attempt is rolled back like an unfinished task. The wait is bounded: those
+  // destructors may themselves wait for the registry this fork holds (a thread_local pool or
+  // AtForkRegistration), which the registry releases between attempts. The next Post, or the
+  // destructor, joins what is left.
+  // The same holds for workers that another thread is joining at this moment (a Post reaps the
+  // workers a drain let go, and can win the pool's lock before this prepare does): wait for
+  // those joins as well, with the same bound.
+  const auto join_until =
+      std::max(wait_until, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
+  int still_exiting = ReapExitedLocked(s, lk, join_until);
+  if (s->joining > 0) s->drain_cv.wait_until(lk, join_until, [s] { return s->joining == 0; });
+  still_exiting += s->joining;
+  if (drained && still_exiting == 0) {
     drained_this_fork_ = true;
     return true;
   }
+  if (still_exiting > 0) exit_waits_.fetch_add(1, std::memory_order_relaxed);
   if (!last && std::chrono::steady_clock::now() < hard_deadline) {
     s->paused = false;  // roll back: let the workers go on until the next attempt
     s->work_cv.notify_all();
     return false;
   }
   drain_timeouts_.fetch_add(1, std::memory_order_relaxed);
+  if (drained) {
+    AtForkRegistry::ReportEvent(
+        ForkEventKind::kDrainDeadlineExceeded, "thread_pool:" + options_.name,
+        absl::StrCat(still_exiting,
+                     " worker thread(s) still running their thread_local destructors after the "
+                     "drain deadline of ",
+                     options_.drain_deadline.count(),
+                     " ms; the fork proceeds, and a lock those destructors hold (an allocator's, "
+                     "say) may stay held in the child"));
+    return true;
+  }
   AtForkRegistry::ReportEvent(
       ForkEventKind::kDrainDeadlineExceeded, "thread_pool:" + options_.name,
       absl::StrCat(s->live - self - s->forking_workers,
@@ -497,6 +536,7 @@ void ThreadPool::ChildAfterFork() {
   rebuilt_in_child_.store(1);
   forks_drained_.store(0);
   drain_timeouts_.store(0);
+  exit_waits_.store(0);
 }
 
 TaskGroup::TaskGroup(ThreadPool& pool) : pool_(pool), generation_(ForkGeneration()) {}

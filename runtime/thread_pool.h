@@ -8,10 +8,14 @@
 // Fork behaviour (each pool registers itself with the at-fork registry)
 //   prepare: stop intake (queued tasks stay queued), let the workers' in-flight tasks finish
 //            within ThreadPoolOptions::drain_deadline (and the fork's own prepare deadline), and
-//            join the idle workers whose threads end in time (a join inside a fork callback is
-//            bounded: a leaving thread's thread_local destructors may wait for the registry the
-//            fork holds; such a worker is joined later, by the next Post or the destructor).
-//            Not waited
+//            join the workers, which leave at once. The pool counts as drained only when every
+//            leaving worker's thread has ended (also one that another thread, say a Post, is
+//            joining at that moment), its thread_local destructors included: those
+//            take other libraries' locks (tbbmalloc's, for one), which a fork in mid-destructor
+//            would hand to the child held. The join inside a fork callback is bounded (those
+//            destructors may wait for the registry the fork holds): a thread still ending makes
+//            prepare say "not yet" (counted in stats().exit_waits), and the registry releases
+//            itself and retries. Not waited
 //            for: a fork issued from one of this pool's own workers (it does not wait for
 //            itself), workers that are themselves inside fork() waiting for this fork (two tasks
 //            that fork at once never wait for each other), and tasks that a thread other than a
@@ -83,6 +87,9 @@ struct ThreadPoolStats {
   uint64_t task_exceptions = 0;    ///< Exceptions thrown by Post() tasks.
   uint64_t forks_drained = 0;      ///< Forks for which the pool was fully quiesced.
   uint64_t drain_timeouts = 0;     ///< Forks that went ahead with tasks still running.
+  /// Prepare attempts rolled back because a worker that had left was still ending (running its
+  /// thread_local destructors).
+  uint64_t exit_waits = 0;
   uint64_t rebuilt_in_child = 0;   ///< 1 when this pool was rebuilt after a fork in this process.
 };
 
@@ -95,14 +102,17 @@ class ThreadPool {
  public:
   /// Creates the pool (no thread starts until the first task). Throws kInvalidArgument for a
   /// negative thread count or deadline, and, with num_threads == 0, for a malformed
-  /// FORKSAFE_NUM_THREADS or OMP_NUM_THREADS (runtime/cpu_budget.h).
+  /// FORKSAFE_NUM_THREADS (runtime/cpu_budget.h); a malformed OMP_NUM_THREADS never throws (it
+  /// is ignored, with a warning on stderr).
   explicit ThreadPool(ThreadPoolOptions options = {});
   /// Runs every queued task, then joins the workers.
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  /// The process-wide pool (created on first use, never destroyed).
+  /// The process-wide pool (created on first use, never destroyed), of DefaultThreadCount()
+  /// threads. The call that creates it throws kInvalidArgument when FORKSAFE_NUM_THREADS is
+  /// malformed (a later call tries again); nothing else throws.
   static ThreadPool& Default();
 
   /// Queues `fn`; the returned future holds its result or exception.
@@ -167,6 +177,7 @@ class ThreadPool {
   bool drained_this_fork_ = false;
   std::atomic<uint64_t> forks_drained_{0};
   std::atomic<uint64_t> drain_timeouts_{0};
+  std::atomic<uint64_t> exit_waits_{0};
   std::atomic<uint64_t> rebuilt_in_child_{0};
 };
 

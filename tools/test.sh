@@ -16,12 +16,14 @@ log="$(mktemp)"
 started="$(mktemp)"  # its mtime marks the start of this run (see the /dev/shm check below)
 trap 'rm -f "$log" "$started"' EXIT
 passed=0; failed=0; skipped=0
+failed_list=()  # what failed, one entry each, repeated at the end next to the summary line
 leak_checked=0; leak_found=0
 status=0
 
 # Runs the suite once with the given flags and adds its GoogleTest counts to the totals.
 run_suite() {
   echo "=== bazel test $* ${targets:-//...}"
+  suite_label="$*"
   bazel test --keep_going "$@" ${targets:-//...} 2>&1 | grep -v "linux-sandbox" | tee "$log"
   local run_status=${PIPESTATUS[0]}
   [ "$run_status" -ne 0 ] && status=$run_status
@@ -30,6 +32,7 @@ run_suite() {
   if [ "$passed" -eq "$before_passed" ] && [ "$failed" -eq "$before_failed" ] &&
      [ "$run_status" -ne 0 ]; then
     failed=$((failed + 1))  # the build itself failed before any test ran
+    failed_list+=("the build of ${targets:-//...}${suite_label:+ [$suite_label]}")
   fi
 }
 
@@ -57,6 +60,9 @@ while read -r target result _; do
     f=1  # crashed, timed out or did not build: count the target as one failure
   fi
   passed=$((passed + t - f - s)); failed=$((failed + f)); skipped=$((skipped + s))
+  if [ "$f" -gt 0 ]; then
+    failed_list+=("$target $result ($f case(s))${suite_label:+ [$suite_label]}")
+  fi
   # The leak check (tests/support/leak_check.h) ends each binary with
   # "forksafe leak check: N test(s) checked, M leaked, ...".
   if [ -f "$testlogs/$rel/test.log" ] && [ -f "$xml" ]; then
@@ -79,9 +85,13 @@ if [ "${FORKSAFE_CONSUMERS:-1}" != 0 ]; then
   consumers_status=${PIPESTATUS[0]}
   consumers_passed="$(grep -c '^consumer .* PASSED' "$log")"
   consumers_failed="$(grep -c '^consumer .* FAILED' "$log")"
+  while read -r line; do failed_list+=("$line"); done < <(grep '^consumer .* FAILED' "$log")
   if [ "$consumers_status" -ne 0 ]; then
     status=1
-    [ "$consumers_failed" -eq 0 ] && consumers_failed=1  # it failed before any consumer ran
+    if [ "$consumers_failed" -eq 0 ]; then
+      consumers_failed=1  # it failed before any consumer ran
+      failed_list+=("tools/consumers.sh (before any consumer ran)")
+    fi
   fi
   passed=$((passed + consumers_passed)); failed=$((failed + consumers_failed))
 fi
@@ -105,11 +115,18 @@ if [ -n "${FORKSAFE_FUZZ_SECONDS:-}" ]; then
   fuzz_passed=0; fuzz_failed=0
   # Rows of its table: "target executions corpus seconds crashes".
   while read -r name execs corpus secs crashes _; do
-    if [ "$crashes" = "0" ]; then fuzz_passed=$((fuzz_passed + 1)); else fuzz_failed=$((fuzz_failed + 1)); fi
+    if [ "$crashes" = "0" ]; then
+      fuzz_passed=$((fuzz_passed + 1))
+    else
+      fuzz_failed=$((fuzz_failed + 1)); failed_list+=("fuzz target $name: $crashes crash(es)")
+    fi
   done < <(grep -E '^[a-z_]+ +([0-9]+|\?) +[0-9]+ +[0-9]+ +[0-9]+' "$log")
   if [ "$fuzz_status" -ne 0 ]; then
     status=1
-    [ "$fuzz_failed" -eq 0 ] && fuzz_failed=1  # the build failed before any target ran
+    if [ "$fuzz_failed" -eq 0 ]; then
+      fuzz_failed=1  # the build failed before any target ran
+      failed_list+=("tools/fuzz.sh (before any target ran)")
+    fi
   fi
   passed=$((passed + fuzz_passed)); failed=$((failed + fuzz_failed))
 fi
@@ -129,9 +146,14 @@ if [ "$leftover" -ne 0 ]; then
   echo "forksafe: $leftover shared-memory segment(s) made by this run were left in /dev/shm:" >&2
   find /dev/shm -maxdepth 1 -name 'forksafe_*' -newer "$started" -exec ls -l {} + >&2
   failed=$((failed + 1))
+  failed_list+=("$leftover /dev/shm segment(s) left behind")
   status=1
 fi
 echo
+if [ "${#failed_list[@]}" -gt 0 ]; then
+  echo "what failed:"
+  printf '  %s\n' "${failed_list[@]}"
+fi
 echo "leak check: $leak_checked test(s) checked for descriptors, children, /dev/shm entries and mappings left behind; $leak_found leaked"
 echo "$passed passed, $failed failed, $skipped skipped"
 exit "$status"

@@ -79,6 +79,9 @@ class BusyParent {
     if (tbb_user_.joinable()) tbb_user_.join();
   }
 
+  /// The statistics of the one-worker pool that runs oneTBB.
+  runtime::ThreadPoolStats tbb_pool_stats() const { return tbb_pool_.stats(); }
+
   std::atomic<long> submitted{0};   ///< Tasks posted to the pool.
   std::atomic<long> completed{0};   ///< Tasks that ran.
   std::atomic<long> tbb_rounds{0};  ///< TbbSum rounds finished.
