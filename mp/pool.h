@@ -143,8 +143,8 @@ class WorkerLostError : public runtime::Error {
 struct PoolOptions {
   /// Number of workers; 0 means runtime::DefaultThreadCount() (runtime/cpu_budget.h):
   /// FORKSAFE_NUM_THREADS, else the first number of OMP_NUM_THREADS, else the CPUs of this
-  /// process's affinity mask and cgroup quota (at least 1). A malformed variable is then
-  /// kInvalidArgument.
+  /// process's affinity mask and cgroup quota (at least 1). A malformed FORKSAFE_NUM_THREADS is
+  /// then kInvalidArgument; a malformed OMP_NUM_THREADS is ignored with a warning on stderr.
   int processes = 0;
   /// Runs once in each worker before its first task. Any callable, "fork" only; for every start
   /// method use set_initializer(). If it throws, the pool is broken (see the file comment).

@@ -21,6 +21,7 @@
 #include "forksafe/runtime/framework_lock.h"
 #include "forksafe/runtime/internal/at_fork_bypass.h"
 #include "forksafe/runtime/internal/fork_entry.h"
+#include "forksafe/runtime/internal/fork_registration.h"
 #include "forksafe/runtime/internal/nested_copy.h"
 #include "forksafe/runtime/internal/process_instance.h"
 
@@ -159,8 +160,9 @@ AtForkRegistry::AtForkRegistry() {
   if (const forksafe_instance_v1* primary = internal::ElectProcessInstance()) {
     if (internal::NestInPrimary(*primary)) return;
   }
-  int rc = pthread_atfork(&AtForkRegistry::OnPrepare, &AtForkRegistry::OnParent,
-                          &AtForkRegistry::OnChild);
+  // pthread_atfork, through internal/fork_registration.h (which can renew it later).
+  int rc = internal::RegisterForkCallbacks(&AtForkRegistry::OnPrepare, &AtForkRegistry::OnParent,
+                                           &AtForkRegistry::OnChild);
   if (rc != 0) ThrowSystemError("pthread_atfork", rc);
 }
 

@@ -1,8 +1,10 @@
 // runtime/at_fork.h: the process-wide at-fork registry (the heart of forksafe).
 //
 // What it offers
-//   One registry per process and exactly one pthread_atfork() registration (also when several
-//   copies of forksafe are loaded: see "One registry per process" below). Subsystems register
+//   One registry per process and one pthread_atfork() registration (also when several copies
+//   of forksafe are loaded: see "One registry per process" below), renewed at the end of glibc's
+//   list when a library registered handlers after it (runtime/internal/fork_registration.h; one
+//   registration acts per fork). Subsystems register
 //   a handler (prepare, parent, child) under a handle and unregister it by that handle. Every
 //   fork() of the process runs through it, whoever calls fork().
 //

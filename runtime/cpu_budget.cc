@@ -4,8 +4,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <charconv>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <string_view>
@@ -38,32 +40,38 @@ int ParseCount(std::string_view item) {
   return v >= 1 && v <= kMaxThreadOverride ? static_cast<int>(v) : 0;
 }
 
+// What a valid value of the variable looks like, for messages.
+std::string OverrideForm(bool list) {
+  return list ? absl::StrCat("a comma-separated list of whole numbers in [1, ", kMaxThreadOverride,
+                             "] (\"8\" or \"8,2\"); forksafe sizes its default pools by the first")
+              : absl::StrCat("a whole number in [1, ", kMaxThreadOverride, "]");
+}
+
 }  // namespace
 
-int ParseThreadOverride(const char* name, const char* value, bool list) {
+int ParseThreadCountValue(const char* value, bool list) {
   if (value == nullptr || TrimBlanks(value).empty()) return 0;
   const std::string_view text(value);
   int first = 0;
   size_t start = 0;
-  bool ok = true;
   for (;;) {
     const size_t comma = list ? text.find(',', start) : std::string_view::npos;
     const int n = ParseCount(text.substr(start, comma == std::string_view::npos
                                                     ? std::string_view::npos
                                                     : comma - start));
-    if (n == 0) ok = false;
+    if (n == 0) return -1;
     if (first == 0) first = n;
-    if (!ok || comma == std::string_view::npos) break;
+    if (comma == std::string_view::npos) return first;
     start = comma + 1;
   }
-  if (ok) return first;
-  const std::string what =
-      list ? absl::StrCat("a comma-separated list of whole numbers in [1, ", kMaxThreadOverride,
-                          "] (\"8\" or \"8,2\"); forksafe sizes its default pools by the first")
-           : absl::StrCat("a whole number in [1, ", kMaxThreadOverride, "]");
+}
+
+int ParseThreadOverride(const char* name, const char* value, bool list) {
+  const int n = ParseThreadCountValue(value, list);
+  if (n >= 0) return n;
   throw Error(ErrorCode::kInvalidArgument,
-              absl::StrCat(name, "=\"", std::string(text),
-                           "\" is not a thread count: it must be ", what, ". Fix or unset ", name,
+              absl::StrCat(name, "=\"", value, "\" is not a thread count: it must be ",
+                           OverrideForm(list), ". Fix or unset ", name,
                            " (unset, default pools use the CPUs this process may run on: its "
                            "affinity mask and cgroup quota), or give the pool an explicit size"));
 }
@@ -77,7 +85,11 @@ int AffinityCpuCount() {
     if (set == nullptr) return 0;
     const size_t bytes = CPU_ALLOC_SIZE(n);
     CPU_ZERO_S(bytes, set);
-    const int rc = sched_getaffinity(0, bytes, set);
+    // The main thread's mask (its tid is the pid), not the calling thread's: see the banner.
+    int rc = sched_getaffinity(getpid(), bytes, set);
+    // ESRCH: no main thread to read (not seen on Linux, where an exited main thread stays a zombie
+    // while the process lives): the calling thread's mask is the best left.
+    if (rc != 0 && errno == ESRCH) rc = sched_getaffinity(0, bytes, set);
     const int err = errno;
     const int count = rc == 0 ? CPU_COUNT_S(bytes, set) : 0;
     CPU_FREE(set);
@@ -93,27 +105,39 @@ CpuBudget ComputeCpuBudget(const CpuBudgetInputs& in) {
   b.quota_cpus = in.quota.cpus;
   b.quota_file = in.quota.cpus > 0 ? in.quota.file : "";
   b.hardware_cpus = in.hardware_cpus;
-  // Both variables are checked, so that a malformed one is reported even when the other wins.
+  // Ours decides when it is set: OMP_NUM_THREADS is then not even read (finding 1 of the review
+  // of issue 14: a malformed one used to throw although it decided nothing).
   const int forksafe = ParseThreadOverride(kForksafeNumThreadsEnv, in.forksafe_num_threads, false);
-  const int omp = ParseThreadOverride(kOmpNumThreadsEnv, in.omp_num_threads, true);
   if (forksafe > 0) {
     b.cpus = forksafe;
     b.source = CpuBudgetSource::kForksafeNumThreads;
-  } else if (omp > 0) {
+    return b;
+  }
+  // OMP_NUM_THREADS belongs to the OpenMP runtime: a value it would not take either is ignored
+  // with a warning (GetCpuBudget prints it), as libgomp itself does, never an error of ours.
+  const int omp = ParseThreadCountValue(in.omp_num_threads, true);
+  if (omp > 0) {
     b.cpus = omp;
     b.source = CpuBudgetSource::kOmpNumThreads;
-  } else {
-    int cpus = in.affinity_cpus;
-    b.source = CpuBudgetSource::kAffinity;
-    if (cpus <= 0) {
-      cpus = in.hardware_cpus;
-      b.source = CpuBudgetSource::kHardware;
-    }
-    if (in.quota.cpus > 0 && (cpus <= 0 || in.quota.cpus < cpus)) {
-      cpus = in.quota.cpus;
-      b.source = CpuBudgetSource::kCgroupQuota;
-    }
-    b.cpus = std::max(1, cpus);
+    return b;
+  }
+  int cpus = in.affinity_cpus;
+  b.source = CpuBudgetSource::kAffinity;
+  if (cpus <= 0) {
+    cpus = in.hardware_cpus;
+    b.source = CpuBudgetSource::kHardware;
+  }
+  if (in.quota.cpus > 0 && (cpus <= 0 || in.quota.cpus < cpus)) {
+    cpus = in.quota.cpus;
+    b.source = CpuBudgetSource::kCgroupQuota;
+  }
+  b.cpus = std::max(1, cpus);
+  if (omp < 0) {
+    b.warning = absl::StrCat(
+        "forksafe: ignoring ", kOmpNumThreadsEnv, "=\"", in.omp_num_threads,
+        "\": it is not a thread count (it must be ", OverrideForm(true),
+        "); forksafe's default pools use ", b.ToString(), " instead. Fix ", kOmpNumThreadsEnv,
+        ", or set ", kForksafeNumThreadsEnv, " to size forksafe's pools without it");
   }
   return b;
 }
@@ -152,7 +176,13 @@ CpuBudget GetCpuBudget() {
   in.affinity_cpus = internal::AffinityCpuCount();
   in.quota = internal::ReadCpuQuota();
   in.hardware_cpus = static_cast<int>(std::thread::hardware_concurrency());
-  return internal::ComputeCpuBudget(in);
+  CpuBudget b = internal::ComputeCpuBudget(in);
+  // Once per process: pools are made many times, the environment does not change.
+  static std::atomic<bool> warned{false};
+  if (!b.warning.empty() && !warned.exchange(true, std::memory_order_relaxed)) {
+    std::fprintf(stderr, "%s\n", b.warning.c_str());
+  }
+  return b;
 }
 
 int DefaultThreadCount() { return GetCpuBudget().cpus; }

@@ -4,12 +4,21 @@
 //   GetCpuBudget() answers "how many threads should a pool that was given no size start?", and
 //   says why. ThreadPoolOptions::num_threads = 0 (runtime/thread_pool.h) and
 //   mp::PoolOptions::processes = 0 (mp/pool.h) both use DefaultThreadCount(). In order:
-//     1. FORKSAFE_NUM_THREADS, when set and not empty: that number, whatever the CPUs (it wins).
+//     1. FORKSAFE_NUM_THREADS, when set and not empty: that number, whatever the CPUs (it wins;
+//        OMP_NUM_THREADS is then not read at all).
 //     2. OMP_NUM_THREADS, when set and not empty: the first number of its list ("8,2" -> 8), the
 //        variable most launchers (torchrun, srun scripts, MPI wrappers) already set per process.
+//        It belongs to the OpenMP runtime: a malformed value is ignored (as if unset) with one
+//        warning on stderr per process, saying what was wrong and which count is used instead.
 //     3. Otherwise the smaller of
-//        - the CPUs of this process's affinity mask (sched_getaffinity, sized for any number of
-//          CPUs): taskset, numactl, srun --cpu-bind, mpirun --bind-to, docker --cpuset-cpus;
+//        - the CPUs of the process's affinity mask, read from its main thread
+//          (sched_getaffinity(getpid()), sized for any number of CPUs): taskset, numactl,
+//          srun --cpu-bind, mpirun --bind-to, docker --cpuset-cpus. Linux keeps one mask per
+//          thread; launchers set it before the program starts and every thread inherits it, but
+//          OpenMP and many frameworks then pin each of their worker threads to one CPU. The
+//          calling thread's mask (sched_getaffinity(0)) made a pool created from such a worker
+//          one thread wide; the main thread's is the one the launcher set. (In a forked child the
+//          thread that forked is the main thread: its mask is the child's whole mask.)
 //        - the cgroup CPU quota, rounded up to whole CPUs: cgroup v2 cpu.max or v1
 //          cpu.cfs_quota_us / cpu.cfs_period_us of the process's cgroup and of every ancestor
 //          (the most restrictive wins): docker --cpus, Kubernetes CPU limits, systemd CPUQuota.
@@ -19,10 +28,12 @@
 //
 // Guarantees
 //   - An override is a whole decimal number in [1, kMaxThreadOverride], blanks around it allowed;
-//     OMP_NUM_THREADS is a comma-separated list of such numbers. Anything else (0, "-2", "4x",
-//     "auto", a number past the bound) is an Error(kInvalidArgument) that names the variable and
-//     its value and says what to set: a typo never silently becomes "one per CPU". An empty value
-//     is the same as an unset variable.
+//     OMP_NUM_THREADS is a comma-separated list of such numbers. A malformed FORKSAFE_NUM_THREADS
+//     (0, "-2", "4x", "auto", a number past the bound) is an Error(kInvalidArgument) that names
+//     the variable and its value and says what to set: a typo in our own variable never silently
+//     becomes "one per CPU". A malformed OMP_NUM_THREADS is a warning, never an error: it is set
+//     for another library, which may accept forms we do not, and a pool must not fail over it.
+//     An empty value is the same as an unset variable.
 //   - Computed anew on each call (one system call and a few small reads of /proc and /sys): the
 //     pools call it once, when they are created, never per task; a mask changed later (by
 //     sched_setaffinity, taskset -p) applies to pools created after the change.
@@ -36,6 +47,9 @@
 //     throttled 25% of each period when both are busy.
 //   - A pool created before the process is pinned (a default pool made at start-up, then
 //     taskset -p) keeps its size; size it explicitly or create it after pinning.
+//   - A main thread that pinned itself (OMP_PROC_BIND / OMP_PLACES may bind OpenMP's initial
+//     thread; `taskset -p` without -a changes only the thread it names) makes its own mask the
+//     process's: set FORKSAFE_NUM_THREADS or size the pools explicitly.
 #ifndef FORKSAFE_RUNTIME_CPU_BUDGET_H_
 #define FORKSAFE_RUNTIME_CPU_BUDGET_H_
 
@@ -45,7 +59,8 @@ namespace forksafe::runtime {
 
 /// The override that wins over everything else.
 inline constexpr char kForksafeNumThreadsEnv[] = "FORKSAFE_NUM_THREADS";
-/// OpenMP's variable; its first number is used when FORKSAFE_NUM_THREADS is not set.
+/// OpenMP's variable; its first number is used when FORKSAFE_NUM_THREADS is not set (a malformed
+/// one is ignored with a warning).
 inline constexpr char kOmpNumThreadsEnv[] = "OMP_NUM_THREADS";
 /// The largest thread count an override may ask for.
 inline constexpr int kMaxThreadOverride = 65536;
@@ -70,15 +85,22 @@ struct CpuBudget {
   int quota_cpus = 0;      ///< The cgroup quota rounded up; 0 when there is none.
   std::string quota_file;  ///< The cgroup file that set quota_cpus ("" when none).
   int hardware_cpus = 0;   ///< std::thread::hardware_concurrency() (0 when unknown).
+  /// Why a set OMP_NUM_THREADS was ignored ("" when it was not): the warning GetCpuBudget
+  /// prints on stderr, once per process.
+  std::string warning;
   /// "2 CPUs (affinity; mask 2, cgroup quota none, machine 64)", for logs.
   std::string ToString() const;
 };
 
 /// How many CPUs this process may use now, and why (see the banner). Throws
-/// Error(kInvalidArgument) for a malformed FORKSAFE_NUM_THREADS or OMP_NUM_THREADS.
+/// Error(kInvalidArgument) for a malformed FORKSAFE_NUM_THREADS, and only for that: a malformed
+/// OMP_NUM_THREADS is ignored with a warning on stderr (once per process; also in
+/// CpuBudget::warning).
 CpuBudget GetCpuBudget();
 
-/// GetCpuBudget().cpus: the default size of ThreadPool and mp::Pool.
+/// GetCpuBudget().cpus: the default size of ThreadPool and mp::Pool. Throws
+/// Error(kInvalidArgument) when FORKSAFE_NUM_THREADS is set to something other than a whole
+/// number in [1, kMaxThreadOverride] (nothing else throws; OMP_NUM_THREADS never does).
 int DefaultThreadCount();
 
 }  // namespace forksafe::runtime

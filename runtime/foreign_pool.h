@@ -47,12 +47,24 @@
 //     state they waited on.
 //   - The guard must be destroyed before the state its callbacks use (make it the pool's last
 //     member, so it is destroyed first).
+//   - Destroy the guard (and its pool) before fork() or after it returns, never inside an
+//     at-fork callback (its own park/resume/rebuild_in_child, or another handler's): the
+//     registry is locked for the fork there and cannot unregister it (AtForkRegistry::Unregister
+//     throws kFailedPrecondition, which a destructor cannot pass on). What happens then: the
+//     guard's callbacks are never called again (its pool is gone), the fork's report gets a
+//     kHandlerThrew event for "foreign_pool:<name>" saying so (LastReport(), the event
+//     listener; in a child, the report of the fork that made it), the first such misuse in a
+//     process prints one line on stderr, and the inert registration stays in the registry
+//     (HandlerNames() still lists it, and its address cannot be registered again) until the next
+//     ForeignPoolGuard is made or destroyed outside a fork callback, which removes it. A guard
+//     that a forked child no longer knows (it lived on the stack of a thread that does not exist
+//     there) is simply forgotten; nothing is reported.
 #ifndef FORKSAFE_RUNTIME_FOREIGN_POOL_H_
 #define FORKSAFE_RUNTIME_FOREIGN_POOL_H_
 
-#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "forksafe/runtime/at_fork.h"
@@ -87,7 +99,7 @@ class ForeignPoolGuard {
   /// Throws Error(kInvalidArgument) when name, park or rebuild_in_child is empty; as
   /// AtForkRegistry::Register otherwise (kFailedPrecondition from inside a fork handler).
   explicit ForeignPoolGuard(ForeignPoolCallbacks callbacks);
-  /// Unregisters (never throws).
+  /// Unregisters (never throws). Inside an at-fork callback it cannot: see the last hazard.
   ~ForeignPoolGuard();
   ForeignPoolGuard(const ForeignPoolGuard&) = delete;
   ForeignPoolGuard& operator=(const ForeignPoolGuard&) = delete;
@@ -97,13 +109,9 @@ class ForeignPoolGuard {
   ForeignPoolStats stats() const;
 
  private:
-  ForeignPoolCallbacks callbacks_;
+  struct Core;  // the callbacks and counts, shared with the registered handler (.cc)
+  std::shared_ptr<Core> core_;
   std::string handler_name_;
-  std::atomic<uint64_t> parked_{0};
-  std::atomic<uint64_t> refused_{0};
-  std::atomic<uint64_t> resumed_{0};
-  std::atomic<uint64_t> gave_up_{0};
-  std::atomic<uint64_t> rebuilt_{0};
 };
 
 }  // namespace forksafe::runtime

@@ -1,13 +1,23 @@
 #include "forksafe/runtime/openmp_fork.h"
 
+#include <dlfcn.h>
+
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <string>
 
 #include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/internal/fork_registration.h"
 #include "forksafe/runtime/internal/loaded_objects.h"
 #include "forksafe/runtime/internal/openmp_fork_bypass.h"
+#include "forksafe/runtime/internal/openmp_order.h"
+
+// glibc >= 2.35 (<dlfcn.h>); weak, so that an older C library loads this code too (then no
+// libgomp is ever called: see Ready()).
+#pragma weak _dl_find_object
 
 namespace forksafe::runtime {
 namespace {
@@ -16,20 +26,51 @@ using internal::LoadedObject;
 
 constexpr int kOmpPauseHard = 2;  // omp_pause_hard, of OpenMP 5's omp_pause_resource_t
 constexpr int kMaxRuntimes = 4;   // more OpenMP runtimes than this in one process are ignored
+constexpr size_t kPathMax = 256;  // longer paths are cut in reports
 
-// One OpenMP runtime found among the loaded objects. The entry points are used for libgomp
-// only (see "LLVM libomp and Intel libiomp5" in the header for why the others are left alone).
+using LevelFn = int (*)();
+
+// One OpenMP runtime, as one walk of the loaded objects saw it. The path is a copy: the loader's
+// goes away with the object, which another thread may dlclose right after the walk.
 struct Runtime {
   OpenMpRuntimeKind kind = OpenMpRuntimeKind::kGnu;
-  const char* path = "";  // the loader's copy of the name: valid while the object is loaded
-  int (*pause_all)(int) = nullptr;
-  int (*get_level)() = nullptr;
-  int (*in_parallel)() = nullptr;
+  char path[kPathMax] = {};
+  LevelFn get_level = nullptr;  // also the identity of this loaded instance
+  // libgomp only, filled inside the walk (see GnuInWalk):
+  bool ready = false;      // relocated by the loader: safe to call
+  bool has_pause = false;  // defines omp_pause_resource_all (GCC >= 9)
+  int level = 0;           // the forking thread's omp_get_level()
+  bool in_parallel = false;
+  int pause_rc = -1;       // omp_pause_resource_all's result, when it was called
 };
 
 struct Found {
   Runtime runtimes[kMaxRuntimes];
   int count = 0;
+  bool pause = false;  // prepare's walk: pause each ready libgomp (false: only list them)
+  // The loader's copies of the runtimes' paths (identities while nothing is unloaded), and, when
+  // `known` is set, the objects to look at: the others are skipped without a symbol lookup.
+  const char* loader_paths[kMaxRuntimes] = {};
+  const char* const* known = nullptr;
+  int known_count = 0;
+};
+
+// Where forksafe's at-fork registration stands relative to one runtime with its own handlers:
+// `at` is the number of the first registration (internal/fork_registration.h) made after the
+// runtime had started, so after it registered its handlers; 0: none yet.
+struct Ordering {
+  std::atomic<LevelFn> key{nullptr};
+  std::atomic<int> at{0};
+  std::atomic<bool> renewed_in_fork{false};
+};
+
+// Per-fork counting (each counter moves at most once per fork, whatever the attempts).
+enum CountBit : unsigned {
+  kCountPaused = 1,
+  kCountGaveUp = 2,
+  kCountInRegion = 4,
+  kCountLeft = 8,
+  kCountNotAsked = 16,
 };
 
 struct OpenMpForkState {
@@ -39,14 +80,26 @@ struct OpenMpForkState {
   // forking thread is inside a region); read by the child callback, cleared by the parent's.
   // Only the forking thread touches it, under the registry's lock.
   bool child_unusable = false;
-  // What the last walk found, and the loader's stamp it was made at (0: never, or unknown).
-  Found found;
-  uint64_t stamp = 0;
+  // The fork whose attempts `counted` describes (PrepareAttempt::fork_number), and what was
+  // already counted or reported in it. Forking thread only, under the registry's lock.
+  uint64_t counted_fork = 0;
+  unsigned counted = 0;
+  // The last walk's runtimes (the loader's copies of their paths) and the loader's stamp it was
+  // made at (0: none, or unknown): while the stamp stays, the same objects are loaded, and
+  // prepare looks up symbols in those only (none at all when there were none).
+  uint64_t walk_stamp = 0;
+  const char* walk_paths[kMaxRuntimes] = {};
+  int walk_count = 0;
+  Ordering ordering[kMaxRuntimes];
+  std::atomic<uint64_t> ordered_stamp{0};  // objects as of the last full ordering pass
+  std::atomic<bool> ordering_busy{false};
   std::atomic<uint64_t> paused{0};
   std::atomic<uint64_t> refused{0};
   std::atomic<uint64_t> gave_up{0};
   std::atomic<uint64_t> in_region{0};
   std::atomic<uint64_t> left_to_runtime{0};
+  std::atomic<uint64_t> not_asked{0};
+  std::atomic<uint64_t> not_ready{0};
 };
 
 OpenMpForkState& StateRef() {
@@ -54,96 +107,186 @@ OpenMpForkState& StateRef() {
   return *state;
 }
 
-// Runs under the loader's dl_load_write_lock: reads symbol tables only.
+// True when the loader has finished relocating the object that holds `fn`: _dl_find_object
+// learns of an object only after its relocation (and TLS set-up), and needs no lock. An object
+// that dl_iterate_phdr already lists may still be mid-dlopen on another thread (mapped, not
+// relocated): calling it then would jump through unrelocated tables.
+bool Ready(void* fn) {
+  if (_dl_find_object == nullptr || fn == nullptr) return false;
+  dl_find_object found;
+  return _dl_find_object(fn, &found) == 0;
+}
+
+// libgomp, inside the walk: the loader's list lock is held, so no dlclose can unmap it while it
+// is called. What is called reads this thread's libgomp state, and the pause ends only this
+// thread's idle team (which waits for nothing of the loader's).
+void GnuInWalk(const LoadedObject& object, Runtime* r, bool pause) {
+  void* pause_all = object.Find("omp_pause_resource_all");
+  void* in_parallel = object.Find("omp_in_parallel");
+  r->has_pause = pause_all != nullptr;
+  r->ready = Ready(reinterpret_cast<void*>(r->get_level)) && in_parallel != nullptr;
+  if (!pause || !r->ready) return;
+  r->level = r->get_level();
+  r->in_parallel = reinterpret_cast<int (*)()>(in_parallel)() != 0;
+  if (r->level > 0 || r->in_parallel || pause_all == nullptr) return;
+  r->pause_rc = reinterpret_cast<int (*)(int)>(pause_all)(kOmpPauseHard);
+}
+
+// Runs under the loader's dl_load_write_lock: reads symbol tables, and calls a ready libgomp.
 bool VisitObject(const LoadedObject& object, void* context) {
   auto* found = static_cast<Found*>(context);
-  Runtime r;
+  if (found->known != nullptr &&
+      std::find(found->known, found->known + found->known_count, object.path()) ==
+          found->known + found->known_count) {
+    return true;  // nothing was loaded or unloaded since the walk that found no runtime here
+  }
+  Runtime& r = found->runtimes[found->count];
+  r = Runtime();
   if (object.Find("__kmpc_fork_call") != nullptr) {
     // LLVM's libomp or Intel's libiomp5 (which also carry libgomp's GOMP_ entry points).
     r.kind = std::strstr(object.path(), "iomp5") != nullptr ? OpenMpRuntimeKind::kIntel
                                                             : OpenMpRuntimeKind::kLlvm;
+    r.get_level = reinterpret_cast<LevelFn>(object.Find("omp_get_level"));
   } else if (object.Find("GOMP_parallel") != nullptr) {
     r.kind = OpenMpRuntimeKind::kGnu;
-    r.pause_all = reinterpret_cast<int (*)(int)>(object.Find("omp_pause_resource_all"));
-    r.get_level = reinterpret_cast<int (*)()>(object.Find("omp_get_level"));
-    r.in_parallel = reinterpret_cast<int (*)()>(object.Find("omp_in_parallel"));
+    r.get_level = reinterpret_cast<LevelFn>(object.Find("omp_get_level"));
+    if (r.get_level != nullptr) GnuInWalk(object, &r, found->pause);
   } else {
     return true;
   }
-  r.path = object.path();
-  found->runtimes[found->count++] = r;
+  std::strncpy(r.path, object.path(), kPathMax - 1);
+  found->loader_paths[found->count] = object.path();
+  ++found->count;
   return found->count < kMaxRuntimes;
 }
 
-Found FindRuntimes() {
+Found Walk(bool pause, const char* const* known = nullptr, int known_count = 0) {
   Found found;
+  found.pause = pause;
+  found.known = known;
+  found.known_count = known_count;
   internal::ForEachLoadedObject(VisitObject, &found);
   return found;
 }
 
-// The runtimes loaded now: the last walk's result while no object was loaded or unloaded since.
-const Found& CurrentRuntimes(OpenMpForkState& st) {
-  const uint64_t stamp = internal::LoadedObjectsStamp();
-  if (stamp == 0 || stamp != st.stamp) {
-    st.found = FindRuntimes();
-    st.stamp = stamp;
+Ordering* OrderingOf(OpenMpForkState& st, LevelFn key, bool add) {
+  for (Ordering& o : st.ordering) {
+    if (o.key.load(std::memory_order_acquire) == key) return &o;
   }
-  return st.found;
+  if (!add) return nullptr;
+  for (Ordering& o : st.ordering) {
+    LevelFn none = nullptr;
+    if (o.key.compare_exchange_strong(none, key)) return &o;
+  }
+  return nullptr;
 }
 
-bool Prepare(const PrepareAttempt& attempt) {
-  OpenMpForkState& st = StateRef();
-  st.child_unusable = false;
-  // A process whose OpenMP an earlier fork left unusable keeps it so (and so do its children).
-  if (!st.usable.load() || st.bypass.load()) return true;
-  const Found& found = CurrentRuntimes(st);
-  bool left = false;
-  for (int i = 0; i < found.count; ++i) {
-    const Runtime& r = found.runtimes[i];
-    if (r.kind != OpenMpRuntimeKind::kGnu) {
-      left = true;
-      continue;
-    }
-    // Inside a region (active or not; a task in it counts) the team cannot be paused: its other
-    // threads are running our caller's region. Retrying would not change that.
-    const int level = r.get_level != nullptr ? r.get_level() : 0;
-    if (level > 0 || (r.in_parallel != nullptr && r.in_parallel() != 0)) {
-      st.child_unusable = true;
-      st.in_region.fetch_add(1, std::memory_order_relaxed);
-      AtForkRegistry::ReportEvent(
-          ForkEventKind::kSubsystemUnusable, "openmp",
-          std::string("fork() was called from inside an OpenMP parallel region (nesting level ") +
-              std::to_string(level) + ") of " + r.path +
-              "; its team cannot be quiesced from inside it. The child must not use OpenMP "
-              "(OpenMpUsableInThisProcess() is false there) and must _exit before the region "
-              "would end; fork from outside parallel regions to keep OpenMP in the child");
-      continue;
-    }
-    if (r.pause_all == nullptr) {
-      st.child_unusable = true;
+// Counts `bit` once per fork; true the first time in this fork (report its event then too).
+bool FirstInFork(OpenMpForkState& st, unsigned bit, std::atomic<uint64_t>& counter) {
+  if ((st.counted & bit) != 0) return false;
+  st.counted |= bit;
+  counter.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+void ReportInRegion(OpenMpForkState& st, const Runtime& r, int level) {
+  st.child_unusable = true;
+  if (!FirstInFork(st, kCountInRegion, st.in_region)) return;
+  AtForkRegistry::ReportEvent(
+      ForkEventKind::kSubsystemUnusable, "openmp",
+      std::string("fork() was called from inside an OpenMP parallel region (nesting level ") +
+          std::to_string(level) + ") of " + r.path +
+          "; its team cannot be quiesced from inside it. The child must not use OpenMP "
+          "(OpenMpUsableInThisProcess() is false there) and must _exit before the region "
+          "would end; fork from outside parallel regions to keep OpenMP in the child");
+}
+
+// An LLVM or Intel runtime, after the walk. Its own prepare takes its locks; when it ran before
+// this one (forksafe's registration is older than the runtime's), asking it anything on this
+// thread can wait for those locks for ever. Ask only when this fork runs on a registration made
+// after the runtime started.
+void OtherRuntime(OpenMpForkState& st, const Runtime& r) {
+  FirstInFork(st, kCountLeft, st.left_to_runtime);
+  Ordering* o = OrderingOf(st, r.get_level, true);
+  const int at = o != nullptr ? o->at.load(std::memory_order_acquire) : 0;
+  if (at > 0 && internal::ActingForkRegistration() >= at && r.get_level != nullptr) {
+    const int level = r.get_level();
+    if (level > 0) ReportInRegion(st, r, level);
+    return;
+  }
+  FirstInFork(st, kCountNotAsked, st.not_asked);
+  // Move forksafe's registration behind the runtime's from the next fork on (if it has started
+  // by now; the pool hook and OrderForkHandlersAfterOpenMp() make sure of it).
+  if (o != nullptr && !o->renewed_in_fork.exchange(true)) internal::RenewForkRegistration();
+}
+
+// What prepare does for one libgomp the walk saw; false: "not yet".
+bool GnuRuntime(OpenMpForkState& st, const Runtime& r, const PrepareAttempt& attempt) {
+  if (!r.ready) {
+    // Mid-dlopen on another thread: nobody has used it yet, so it has no threads to end.
+    st.not_ready.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  // Inside a region (active or not; a task in it counts) the team cannot be paused: its other
+  // threads are running our caller's region. Retrying would not change that.
+  if (r.level > 0 || r.in_parallel) {
+    ReportInRegion(st, r, r.level);
+    return true;
+  }
+  if (!r.has_pause) {
+    st.child_unusable = true;
+    if (FirstInFork(st, kCountGaveUp, st.gave_up)) {
       AtForkRegistry::ReportEvent(
           ForkEventKind::kSubsystemUnusable, "openmp",
           std::string("the OpenMP runtime ") + r.path +
               " has no omp_pause_resource_all (libgomp older than GCC 9), so its threads cannot "
               "be quiesced; the child must not use OpenMP: use GCC 9 or newer");
-      continue;
     }
-    if (r.pause_all(kOmpPauseHard) == 0) {
-      st.paused.fetch_add(1, std::memory_order_relaxed);
-      continue;
-    }
-    st.refused.fetch_add(1, std::memory_order_relaxed);
-    if (!attempt.last) return false;
-    st.gave_up.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  if (r.pause_rc == 0) {
+    FirstInFork(st, kCountPaused, st.paused);
+    return true;
+  }
+  st.refused.fetch_add(1, std::memory_order_relaxed);  // per attempt, by definition
+  if (!attempt.last) return false;
+  if (FirstInFork(st, kCountGaveUp, st.gave_up)) {
     AtForkRegistry::ReportEvent(
         ForkEventKind::kSubsystemUnusable, "openmp",
         std::string("omp_pause_resource_all(omp_pause_hard) of ") + r.path +
             " failed until the fork's deadline; the child must not use OpenMP "
             "(OpenMpUsableInThisProcess() is false there)");
-    return false;
   }
-  if (left) st.left_to_runtime.fetch_add(1, std::memory_order_relaxed);
-  return true;
+  return false;
+}
+
+bool Prepare(const PrepareAttempt& attempt) {
+  OpenMpForkState& st = StateRef();
+  st.child_unusable = false;
+  if (attempt.fork_number != st.counted_fork) {
+    st.counted_fork = attempt.fork_number;
+    st.counted = 0;
+  }
+  // A process whose OpenMP an earlier fork left unusable keeps it so (and so do its children).
+  if (!st.usable.load() || st.bypass.load()) return true;
+  const uint64_t stamp = internal::LoadedObjectsStamp();
+  const bool same = stamp != 0 && stamp == st.walk_stamp;
+  if (same && st.walk_count == 0) return true;  // no runtime, nothing loaded since
+  const Found found = same ? Walk(/*pause=*/true, st.walk_paths, st.walk_count)
+                           : Walk(/*pause=*/true);
+  st.walk_stamp = stamp;
+  st.walk_count = found.count;
+  std::copy(found.loader_paths, found.loader_paths + found.count, st.walk_paths);
+  bool ok = true;
+  for (int i = 0; i < found.count; ++i) {
+    const Runtime& r = found.runtimes[i];
+    if (r.kind == OpenMpRuntimeKind::kGnu) {
+      ok = GnuRuntime(st, r, attempt) && ok;
+    } else {
+      OtherRuntime(st, r);
+    }
+  }
+  return ok;
 }
 
 }  // namespace
@@ -163,16 +306,62 @@ void InstallOpenMpForkHandler() {
       OpenMpForkState& st = StateRef();
       if (!prepared || st.child_unusable) st.usable.store(false);
       st.child_unusable = false;
+      st.counted_fork = 0;  // the child numbers its own forks from 1
+      st.counted = 0;
+      st.ordering_busy.store(false);  // an ordering pass another thread was making is gone
     };
     static int tag;
     AtForkRegistry::Get().Register(&tag, std::move(h));
   });
 }
 
+void OrderForkHandlersAfterOpenMp() {
+  OpenMpForkState& st = StateRef();
+  bool nested = true;
+  try {
+    nested = AtForkRegistry::Get().IsNested();
+  } catch (...) {
+    // The registry could not be made (pthread_atfork failed): there is nothing to order.
+  }
+  if (nested || InForkHandler()) return;
+  const uint64_t stamp = internal::LoadedObjectsStamp();
+  if (stamp != 0 && stamp == st.ordered_stamp.load(std::memory_order_acquire)) return;
+  if (st.ordering_busy.exchange(true, std::memory_order_acquire)) return;  // another thread is
+  const Found found = Walk(/*pause=*/false);
+  bool done = true;
+  for (int i = 0; i < found.count; ++i) {
+    const Runtime& r = found.runtimes[i];
+    if (r.kind == OpenMpRuntimeKind::kGnu || r.get_level == nullptr) continue;
+    Ordering* o = OrderingOf(st, r.get_level, true);
+    if (o == nullptr || o->at.load(std::memory_order_acquire) > 0) continue;
+    // Starts the runtime if it has not started (it registers its at-fork handlers then), so that
+    // the registration made next comes after them.
+    (void)r.get_level();
+    const int at = internal::RenewForkRegistration();
+    if (at > 0) {
+      o->at.store(at, std::memory_order_release);
+    } else {
+      done = false;  // try again at the next call
+    }
+  }
+  if (done) st.ordered_stamp.store(stamp, std::memory_order_release);
+  st.ordering_busy.store(false, std::memory_order_release);
+}
+
+namespace internal {
+void OrderForkHandlersAfterOpenMpFromPool() noexcept {
+  thread_local std::chrono::steady_clock::time_point next{};
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next) return;
+  next = now + std::chrono::milliseconds(1);
+  OrderForkHandlersAfterOpenMp();
+}
+}  // namespace internal
+
 bool OpenMpUsableInThisProcess() { return StateRef().usable.load(); }
 
 std::vector<OpenMpRuntime> LoadedOpenMpRuntimes() {
-  const Found found = FindRuntimes();
+  const Found found = Walk(/*pause=*/false);
   std::vector<OpenMpRuntime> out;
   for (int i = 0; i < found.count; ++i) {
     out.push_back(OpenMpRuntime{found.runtimes[i].kind, found.runtimes[i].path});
@@ -182,8 +371,15 @@ std::vector<OpenMpRuntime> LoadedOpenMpRuntimes() {
 
 OpenMpForkStats GetOpenMpForkStats() {
   OpenMpForkState& st = StateRef();
-  return OpenMpForkStats{st.paused.load(), st.refused.load(), st.gave_up.load(),
-                         st.in_region.load(), st.left_to_runtime.load()};
+  OpenMpForkStats s;
+  s.paused = st.paused.load();
+  s.pause_refused = st.refused.load();
+  s.gave_up = st.gave_up.load();
+  s.in_region = st.in_region.load();
+  s.left_to_runtime = st.left_to_runtime.load();
+  s.not_asked = st.not_asked.load();
+  s.not_ready = st.not_ready.load();
+  return s;
 }
 
 namespace internal {

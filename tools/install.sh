@@ -59,6 +59,14 @@ if [ -n "$stray" ]; then
   head -20 <<<"$stray" >&2
   exit 1
 fi
+# Test and benchmark hooks are listed by name under local: in the map; one whose signature changed
+# would slip back into the exports unnoticed.
+hooks="$(grep -E 'For(Test|Testing|Benchmark)\(' <<<"$exported" || true)"
+if [ -n "$hooks" ]; then
+  echo "install.sh: libforksafe.so exports test hooks (list them under local: in tools/forksafe.map):" >&2
+  head -20 <<<"$hooks" >&2
+  exit 1
+fi
 n_exported="$(wc -l <<<"$exported")"
 
 # The headers: every public header (not under internal/), and the internal ones that a header

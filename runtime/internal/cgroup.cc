@@ -182,12 +182,28 @@ int CpusFromCfs(std::string_view quota_text, std::string_view period_text) {
   return RoundUpCpus(quota, period);
 }
 
-CpuQuota ReadCpuQuota(const std::string& root) {
+std::vector<CgroupPlace> LocateCgroups(std::string_view controller, const std::string& root) {
   std::vector<CgroupMount> mounts = ParseCgroupMounts(ReadSmallFile(root + "/proc/self/mountinfo"));
   if (mounts.empty()) {  // no mountinfo to go by: the usual places
     mounts.push_back({true, "/", "/sys/fs/cgroup", {}});
-    mounts.push_back({false, "/", "/sys/fs/cgroup/cpu", {"cpu"}});
+    mounts.push_back({false, "/", "/sys/fs/cgroup/" + std::string(controller),
+                      {std::string(controller)}});
   }
+  std::vector<CgroupPlace> out;
+  for (const CgroupMembership& member : ParseProcCgroup(ReadSmallFile(root + "/proc/self/cgroup"))) {
+    if (!member.v2 && !Has(member.controllers, controller)) continue;
+    for (const CgroupMount& mount : mounts) {
+      if (mount.v2 != member.v2 || (!mount.v2 && !Has(mount.controllers, controller))) continue;
+      std::vector<std::string> dirs = CgroupDirChain(root, mount, member.path);
+      if (dirs.empty()) continue;  // a bind mount of another part of the hierarchy
+      out.push_back({mount.v2, root + mount.mount_point, std::move(dirs)});
+      break;  // one mount per hierarchy is enough
+    }
+  }
+  return out;
+}
+
+CpuQuota ReadCpuQuota(const std::string& root) {
   CpuQuota best;
   const auto consider = [&best, &root](int cpus, const std::string& file) {
     if (cpus > 0 && (best.cpus == 0 || cpus < best.cpus)) {
@@ -195,24 +211,16 @@ CpuQuota ReadCpuQuota(const std::string& root) {
       best.file = file.substr(root.size());
     }
   };
-  const std::string self_cgroup = ReadSmallFile(root + "/proc/self/cgroup");
-  for (const CgroupMembership& member : ParseProcCgroup(self_cgroup)) {
-    if (!member.v2 && !Has(member.controllers, "cpu")) continue;
-    for (const CgroupMount& mount : mounts) {
-      if (mount.v2 != member.v2 || (!mount.v2 && !Has(mount.controllers, "cpu"))) continue;
-      const std::vector<std::string> dirs = CgroupDirChain(root, mount, member.path);
-      if (dirs.empty()) continue;  // a bind mount of another part of the hierarchy
-      for (const std::string& dir : dirs) {
-        if (member.v2) {
-          const std::string file = dir + "/cpu.max";
-          consider(CpusFromCpuMax(ReadSmallFile(file)), file);
-        } else {
-          const std::string file = dir + "/cpu.cfs_quota_us";
-          consider(CpusFromCfs(ReadSmallFile(file), ReadSmallFile(dir + "/cpu.cfs_period_us")),
-                   file);
-        }
+  for (const CgroupPlace& place : LocateCgroups("cpu", root)) {
+    for (const std::string& dir : place.dirs) {
+      if (place.v2) {
+        const std::string file = dir + "/cpu.max";
+        consider(CpusFromCpuMax(ReadSmallFile(file)), file);
+      } else {
+        const std::string file = dir + "/cpu.cfs_quota_us";
+        consider(CpusFromCfs(ReadSmallFile(file), ReadSmallFile(dir + "/cpu.cfs_period_us")),
+                 file);
       }
-      break;  // one mount per hierarchy is enough
     }
   }
   return best;

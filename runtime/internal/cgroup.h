@@ -11,6 +11,11 @@
 //   - ParseProcCgroup: the lines of /proc/self/cgroup ("0::/path", "4:cpu,cpuacct:/path").
 //   - CgroupDirChain: the directories of a cgroup and of every ancestor up to the mount's root,
 //     innermost first (a quota on any ancestor limits the process too).
+//   - LocateCgroups: the one locator of this process's cgroups for a controller ("cpu",
+//     "memory"), built on the three above: every reader of cgroup files (ReadCpuQuota here, the
+//     memory room of runtime/internal/memory_bounds.cc, the tests' cgroup fixture in
+//     tests/support/test_cgroup.h) goes through it, so that containers, hybrid mounts and
+//     ancestors are handled alike everywhere.
 //   - CpusFromCpuMax / CpusFromCfs: a CPU quota as whole CPUs, rounded up (1.5 CPUs -> 2).
 //   - ReadCpuQuota: the most restrictive quota over all of the above.
 //
@@ -55,6 +60,21 @@ std::vector<CgroupMembership> ParseProcCgroup(std::string_view text);
 /// the mount's root (another cgroup namespace: nothing of it can be read from here).
 std::vector<std::string> CgroupDirChain(const std::string& root, const CgroupMount& mount,
                                         const std::string& path);
+
+/// Where this process's cgroup for one controller is, in one hierarchy.
+struct CgroupPlace {
+  bool v2 = false;
+  std::string mount_point;        ///< The hierarchy's mount point, prefixed with `root`.
+  std::vector<std::string> dirs;  ///< CgroupDirChain: the process's cgroup first, mount_point last.
+};
+
+/// This process's cgroups that `controller` ("cpu", "memory", ...) may govern, one per hierarchy:
+/// its v2 cgroup (whether or not the controller is enabled there: its files are then absent, and
+/// readers skip them) and its cgroup in a v1 hierarchy that has `controller`. The mounts come from
+/// `root`/proc/self/mountinfo; only when it lists none are the usual places used (v2 at
+/// /sys/fs/cgroup, v1 at /sys/fs/cgroup/<controller>). A hierarchy whose mount shows another
+/// part of the tree (another cgroup namespace) is left out.
+std::vector<CgroupPlace> LocateCgroups(std::string_view controller, const std::string& root = "");
 
 /// The CPUs that a cgroup v2 cpu.max ("$MAX $PERIOD", "max $PERIOD" or "max") allows, rounded
 /// up; 0 for no quota; -1 when the text is malformed.

@@ -8,14 +8,18 @@
 
 namespace forksafe::runtime::internal {
 
-/// The thread count an override variable asks for: 0 when `value` is null, empty or blank;
-/// otherwise a number in [1, kMaxThreadOverride] (for `list` variables, the first of a
-/// comma-separated list, each of whose items must be such a number). Throws
-/// Error(kInvalidArgument) naming `name` and `value` for anything else.
+/// The thread count `value` asks for: 0 when it is null, empty or blank; -1 when it is malformed;
+/// otherwise a number in [1, kMaxThreadOverride] (for a `list`, the first of a comma-separated
+/// list, each of whose items must be such a number). Never throws.
+int ParseThreadCountValue(const char* value, bool list);
+
+/// ParseThreadCountValue, but a malformed value throws Error(kInvalidArgument) naming `name` and
+/// `value` and saying what to set (for FORKSAFE_NUM_THREADS, ours).
 int ParseThreadOverride(const char* name, const char* value, bool list);
 
-/// The CPUs of the calling thread's affinity mask (a CPU_ALLOC'ed set, grown until the kernel's
-/// mask fits); 0 when it cannot be read.
+/// The CPUs of the process's affinity mask, read from its main thread (sched_getaffinity(getpid()),
+/// a CPU_ALLOC'ed set grown until the kernel's mask fits), whichever thread calls; 0 when it cannot
+/// be read. See runtime/cpu_budget.h for why the main thread's.
 int AffinityCpuCount();
 
 /// What GetCpuBudget reads, for tests.
@@ -27,7 +31,8 @@ struct CpuBudgetInputs {
   int hardware_cpus = 0;  ///< 0: unknown.
 };
 
-/// GetCpuBudget's rules applied to `in`. Throws as GetCpuBudget.
+/// GetCpuBudget's rules applied to `in`: a malformed OMP_NUM_THREADS fills CpuBudget::warning
+/// (printing it is GetCpuBudget's job). Throws as GetCpuBudget.
 CpuBudget ComputeCpuBudget(const CpuBudgetInputs& in);
 
 }  // namespace forksafe::runtime::internal

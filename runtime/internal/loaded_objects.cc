@@ -8,26 +8,46 @@
 
 namespace forksafe::runtime::internal {
 
-struct LoadedObjectAccess {
-  // Fills `o` from the object's PT_DYNAMIC segment; false when it has no dynamic symbols.
-  static bool Fill(const dl_phdr_info& info, LoadedObject* o) {
-    const ElfW(Dyn)* dyn = nullptr;
-    for (int i = 0; i < info.dlpi_phnum; ++i) {
-      if (info.dlpi_phdr[i].p_type == PT_DYNAMIC) {
-        dyn = reinterpret_cast<const ElfW(Dyn)*>(info.dlpi_addr + info.dlpi_phdr[i].p_vaddr);
-        break;
-      }
+bool SegmentsHold(const dl_phdr_info& info, uintptr_t start, size_t size) {
+  for (int i = 0; i < info.dlpi_phnum; ++i) {
+    const ElfW(Phdr)& ph = info.dlpi_phdr[i];
+    if (ph.p_type != PT_LOAD) continue;
+    const uintptr_t lo = info.dlpi_addr + ph.p_vaddr;  // wraps back into range with the bias
+    if (start >= lo && start - lo <= ph.p_memsz && size <= ph.p_memsz - (start - lo)) {
+      return true;
     }
-    if (dyn == nullptr) return false;
+  }
+  return false;
+}
+
+struct LoadedObjectAccess {
+  // Fills `o` from the object's PT_DYNAMIC segment; false when it has no dynamic symbols (or
+  // its dynamic section points outside its own segments).
+  static bool Fill(const dl_phdr_info& info, LoadedObject* o) {
+    const ElfW(Phdr)* dynamic = nullptr;
+    for (int i = 0; i < info.dlpi_phnum; ++i) {
+      if (info.dlpi_phdr[i].p_type == PT_DYNAMIC) dynamic = &info.dlpi_phdr[i];
+    }
+    if (dynamic == nullptr) return false;
+    const uintptr_t dyn_at = info.dlpi_addr + dynamic->p_vaddr;
     o->path_ = info.dlpi_name != nullptr ? info.dlpi_name : "";
     o->base_ = info.dlpi_addr;
-    // The loader relocates these entries in place where the segment is writable (shared
-    // libraries, a PIE), but not in a read-only one (the vDSO): an address below the object's
-    // base is still an offset from it.
-    auto at = [&](ElfW(Addr) p) {
-      return p < info.dlpi_addr ? info.dlpi_addr + p : static_cast<uintptr_t>(p);
+    o->phdr_ = info.dlpi_phdr;
+    o->phnum_ = info.dlpi_phnum;
+    // An address of the dynamic section: relocated in place by glibc when the section is
+    // writable and the bias is not 0, else still the link-time address (see the header). Read
+    // the way that predicts, the other way when that lies in no segment; 0 when neither does.
+    const bool relocated = info.dlpi_addr != 0 && (dynamic->p_flags & PF_W) != 0;
+    auto at = [&](ElfW(Addr) p) -> uintptr_t {
+      const uintptr_t as_is = p, from_bias = info.dlpi_addr + p;
+      const uintptr_t first = relocated ? as_is : from_bias, second = relocated ? from_bias : as_is;
+      if (SegmentsHold(info, first, 1)) return first;
+      if (SegmentsHold(info, second, 1)) return second;
+      return 0;
     };
-    for (; dyn->d_tag != DT_NULL; ++dyn) {
+    for (auto* dyn = reinterpret_cast<const ElfW(Dyn)*>(dyn_at);
+         SegmentsHold(info, reinterpret_cast<uintptr_t>(dyn), sizeof *dyn) && dyn->d_tag != DT_NULL;
+         ++dyn) {
       switch (dyn->d_tag) {
         case DT_SYMTAB: o->symtab_ = reinterpret_cast<const void*>(at(dyn->d_un.d_ptr)); break;
         case DT_STRTAB: o->strtab_ = reinterpret_cast<const char*>(at(dyn->d_un.d_ptr)); break;
@@ -41,6 +61,14 @@ struct LoadedObjectAccess {
     }
     return o->symtab_ != nullptr && o->strtab_ != nullptr &&
            (o->gnu_hash_ != nullptr || o->sysv_hash_ != nullptr);
+  }
+
+  static bool Contains(const LoadedObject& o, uintptr_t address) {
+    dl_phdr_info info{};
+    info.dlpi_addr = o.base_;
+    info.dlpi_phdr = static_cast<const ElfW(Phdr)*>(o.phdr_);
+    info.dlpi_phnum = static_cast<ElfW(Half)>(o.phnum_);
+    return SegmentsHold(info, address, 1);
   }
 };
 
@@ -101,7 +129,13 @@ void* LoadedObject::Find(const char* symbol) const {
       found = Match(symtab, strtab_, versym_, i, symbol);
     }
   }
-  return found == nullptr ? nullptr : reinterpret_cast<void*>(base_ + found->st_value);
+  if (found == nullptr) return nullptr;
+  const uintptr_t address = base_ + found->st_value;  // wraps back into range with the bias
+  return LoadedObjectAccess::Contains(*this, address) ? reinterpret_cast<void*>(address) : nullptr;
+}
+
+bool LoadedObject::Contains(const void* address) const {
+  return LoadedObjectAccess::Contains(*this, reinterpret_cast<uintptr_t>(address));
 }
 
 namespace {

@@ -7,7 +7,9 @@
 //   visitor as a LoadedObject, whose Find() looks a symbol up in that object's own dynamic symbol
 //   table (GNU or SysV hash), the way the loader would for a symbol the object defines.
 //   LoadedObjectsStamp() tells whether objects were loaded or unloaded since a previous call, so
-//   that a caller can keep what it found.
+//   that a caller can keep what it found. LoadedObject::Contains() tells whether an address lies
+//   in the object (in one of its PT_LOAD segments), and SegmentsHold() does the same for a
+//   dl_iterate_phdr caller of its own.
 //
 // Why not dlsym (the reason this exists)
 //   glibc's dlsym and dlopen take the loader's lock (dl_load_lock), which dlopen holds while it
@@ -21,6 +23,16 @@
 //   - No allocation, no lock other than dl_iterate_phdr's; usable in a fork's prepare callback.
 //   - Find() returns the default version of a function or object the object defines (never an
 //     undefined import, never a GNU indirect function, never a hidden older version).
+//   - Where an object's memory is, is told by its PT_LOAD segments only (dlpi_addr + p_vaddr ..
+//     + p_memsz), never by comparing with dlpi_addr: dlpi_addr is the load bias (where the
+//     object is minus where it was linked to be), not the start of its mappings. A non-PIE
+//     program has bias 0; an object linked at a non-zero address (prelinked, or -Ttext-segment)
+//     and loaded elsewhere has a bias that wraps around (0xc000...). The same rule reads the
+//     dynamic section's addresses, which glibc relocates in place when that section is writable
+//     and the bias is not 0, and not in a read-only one (the vDSO; C libraries that never
+//     relocate it): an address is read the way that rule predicts (as it is, or as an offset
+//     from the bias), the other way when that one lies in no segment, and when neither lies in
+//     one the object shows no symbols: nothing outside its segments is ever read.
 //
 // Hazards
 //   - The visitor runs with dl_load_write_lock held: it must not call anything that may load,
@@ -32,6 +44,9 @@
 #ifndef FORKSAFE_RUNTIME_INTERNAL_LOADED_OBJECTS_H_
 #define FORKSAFE_RUNTIME_INTERNAL_LOADED_OBJECTS_H_
 
+#include <link.h>
+
+#include <cstddef>
 #include <cstdint>
 
 namespace forksafe::runtime::internal {
@@ -43,11 +58,15 @@ class LoadedObject {
   const char* path() const { return path_; }
   /// The address of `symbol` when this object defines it (default version), else nullptr.
   void* Find(const char* symbol) const;
+  /// Whether `address` lies in one of the object's loaded (PT_LOAD) segments.
+  bool Contains(const void* address) const;
 
  private:
   friend struct LoadedObjectAccess;
   const char* path_ = "";
-  uintptr_t base_ = 0;
+  uintptr_t base_ = 0;                // the load bias (dlpi_addr)
+  const void* phdr_ = nullptr;        // ElfW(Phdr)[phnum_]
+  int phnum_ = 0;
   const void* symtab_ = nullptr;     // ElfW(Sym)[]
   const char* strtab_ = nullptr;
   const uint32_t* gnu_hash_ = nullptr;
@@ -59,6 +78,10 @@ class LoadedObject {
 /// false. See the hazards above for what `visit` may do.
 void ForEachLoadedObject(bool (*visit)(const LoadedObject& object, void* context),
                          void* context);
+
+/// Whether [start, start + size) lies inside one PT_LOAD segment of `info`'s object (for a
+/// dl_iterate_phdr callback of its own; the same test as LoadedObject::Contains).
+bool SegmentsHold(const dl_phdr_info& info, uintptr_t start, size_t size);
 
 /// A number that changes whenever an object is loaded or unloaded (glibc's dlpi_adds plus
 /// dlpi_subs), or 0 when the C library does not say (then assume that anything changed). Reads

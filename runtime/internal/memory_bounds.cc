@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/cgroup.h"
 
 namespace forksafe::runtime::internal {
 namespace {
@@ -40,43 +41,6 @@ uint64_t MeminfoBytes(const std::string& text, const char* key) {
   return kib * 1024ull;
 }
 
-// Room left under this process's memory cgroup (v2 memory.max - memory.current, or v1
-// limit_in_bytes - usage_in_bytes), or kNoLimit when there is no limit or it cannot be read.
-uint64_t CgroupRoom() {
-  std::ifstream in("/proc/self/cgroup");
-  std::string line;
-  while (std::getline(in, line)) {
-    // "0::/path" (v2) or "4:memory:/path" (v1).
-    const size_t c1 = line.find(':');
-    const size_t c2 = c1 == std::string::npos ? c1 : line.find(':', c1 + 1);
-    if (c2 == std::string::npos) continue;
-    const std::string controllers = line.substr(c1 + 1, c2 - c1 - 1);
-    const std::string path = line.substr(c2 + 1);
-    std::vector<std::string> dirs;
-    const char* max_name = nullptr;
-    const char* cur_name = nullptr;
-    if (controllers.empty()) {
-      dirs = {"/sys/fs/cgroup" + path, "/sys/fs/cgroup"};
-      max_name = "/memory.max";
-      cur_name = "/memory.current";
-    } else if (controllers.find("memory") != std::string::npos) {
-      dirs = {"/sys/fs/cgroup/memory" + path, "/sys/fs/cgroup/memory"};
-      max_name = "/memory.limit_in_bytes";
-      cur_name = "/memory.usage_in_bytes";
-    } else {
-      continue;
-    }
-    for (const std::string& dir : dirs) {
-      const uint64_t max = ReadLimitFile(dir + max_name);
-      if (max == kNoLimit || max >= (uint64_t{1} << 62)) continue;  // v1 says "no limit" so
-      const uint64_t cur = ReadLimitFile(dir + cur_name);
-      if (cur == kNoLimit) continue;
-      return max > cur ? max - cur : 0;
-    }
-  }
-  return kNoLimit;
-}
-
 void AddRlimit(std::vector<MemoryLimit>* out, int resource, const char* name, const char* flag) {
   struct rlimit rl;
   if (getrlimit(resource, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return;
@@ -92,6 +56,26 @@ bool ExceedsRlimit(uint64_t bytes, int resource) {
 }
 
 }  // namespace
+
+MemoryCgroupRoom ReadMemoryCgroupRoom(const std::string& root) {
+  MemoryCgroupRoom best;
+  for (const CgroupPlace& place : LocateCgroups("memory", root)) {
+    const char* max_name = place.v2 ? "/memory.max" : "/memory.limit_in_bytes";
+    const char* cur_name = place.v2 ? "/memory.current" : "/memory.usage_in_bytes";
+    for (const std::string& dir : place.dirs) {
+      const uint64_t max = ReadLimitFile(dir + max_name);
+      if (max == kNoLimit || max >= (uint64_t{1} << 62)) continue;  // v1 says "no limit" so
+      const uint64_t cur = ReadLimitFile(dir + cur_name);
+      if (cur == kNoLimit) continue;
+      const uint64_t room = max > cur ? max - cur : 0;
+      if (room < best.bytes) {
+        best.bytes = room;
+        best.file = (dir + max_name).substr(root.size());
+      }
+    }
+  }
+  return best;
+}
 
 bool CheckedRoundUp(size_t n, size_t align, size_t* out) noexcept {
   if (align == 0) return false;
@@ -143,8 +127,9 @@ std::vector<MemoryLimit> MemoryLimits(MemoryUse use) {
     AddRlimit(&out, RLIMIT_DATA, "RLIMIT_DATA", "-d");
   }
   AddRlimit(&out, RLIMIT_AS, "RLIMIT_AS", "-v");
-  if (const uint64_t room = CgroupRoom(); room != kNoLimit) {
-    out.push_back({room, "the room left under this process's memory cgroup limit",
+  if (const MemoryCgroupRoom room = ReadMemoryCgroupRoom(); room.bytes != kNoLimit) {
+    out.push_back({room.bytes,
+                   "the room left under this process's memory cgroup limit (" + room.file + ")",
                    "free memory in the container or raise its memory limit"});
   }
   if (use == MemoryUse::kSharedNamed) {

@@ -9,7 +9,7 @@
 //   - CheckMemoryAvailable: refuses, at once, an allocation larger than what the system can give
 //     for that kind of memory, BEFORE anything is reserved, mapped or touched:
 //       kPrivate      process memory (malloc): physical memory + swap, RLIMIT_AS, RLIMIT_DATA,
-//                     the cgroup's memory.max;
+//                     the room under the memory cgroups (the process's and its ancestors');
 //       kShared       a memory file that is reserved (fallocate) or filled at once: the memory
 //                     available now (MemAvailable + SwapFree), RLIMIT_AS, RLIMIT_FSIZE (beyond it
 //                     ftruncate raises SIGXFSZ, which kills the process), the cgroup's room;
@@ -67,6 +67,18 @@ std::vector<MemoryLimit> MemoryLimits(MemoryUse use);
 /// and every limit exceeded (tightest first) with what to do. Pure: for tests with made-up limits.
 void CheckMemoryAgainst(uint64_t bytes, const std::vector<MemoryLimit>& limits,
                         const std::string& what);
+
+/// The room left under this process's memory cgroups.
+struct MemoryCgroupRoom {
+  uint64_t bytes = UINT64_MAX;  ///< UINT64_MAX: no cgroup limits the process (or none is readable).
+  std::string file;             ///< The limit file that leaves the least room (without `root`).
+};
+
+/// The smallest room (limit - usage) over this process's memory cgroup and every ancestor: v2
+/// memory.max - memory.current, v1 memory.limit_in_bytes - memory.usage_in_bytes. The cgroups are
+/// located by runtime/internal/cgroup.h (LocateCgroups: mountinfo, container roots, hybrid
+/// mounts). `root` prefixes every path read ("" = the real /proc and /sys; tests use a fake tree).
+MemoryCgroupRoom ReadMemoryCgroupRoom(const std::string& root = "");
 
 /// Requests below this size are checked against the process limits only (RLIMIT_*): they are on
 /// hot paths, and cannot take a machine down.

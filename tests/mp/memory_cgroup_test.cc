@@ -4,8 +4,8 @@
 // the whole process), and the ordinary work (a Pool mapping over tensors, a Queue of shared
 // tensors) must go on under the limit.
 //
-// The test makes a cgroup of its own (v1 or v2) with a 256 MiB limit and moves a forked child into
-// it. That needs write access to /sys/fs/cgroup (root, outside a read-only mount: the target is
+// The test makes a cgroup of its own (v1 or v2; tests/support/test_cgroup.h) with a 256 MiB limit
+// and moves a forked child into it, or into a cgroup below it. That needs write access to /sys/fs/cgroup (root, outside a read-only mount: the target is
 // tagged no-sandbox); where there is none it skips and says why.
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,6 +27,7 @@
 #include "forksafe/runtime/internal/memory_bounds.h"
 #include "gtest/gtest.h"
 #include "tests/support/child_process.h"
+#include "tests/support/test_cgroup.h"
 
 namespace forksafe::mp {
 namespace {
@@ -38,54 +39,15 @@ using namespace std::chrono_literals;
 
 constexpr uint64_t kLimit = uint64_t{256} << 20;
 
-bool WriteFile(const std::string& path, const std::string& text) {
-  FILE* f = fopen(path.c_str(), "w");
-  if (f == nullptr) return false;
-  const bool ok = fputs(text.c_str(), f) >= 0;
-  return fclose(f) == 0 && ok;
-}
-
-bool Exists(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0;
-}
-
-// A memory cgroup of this test's own, limited to kLimit: its directory, and the file that takes
-// a pid. Removed by its destructor (once the processes in it are gone).
-struct Cgroup {
-  std::string dir;
-  std::string procs;
-  ~Cgroup() {
-    if (!dir.empty() && rmdir(dir.c_str()) != 0) {
-      fprintf(stderr, "rmdir %s: %s\n", dir.c_str(), strerror(errno));
-    }
-  }
-};
-
-std::unique_ptr<Cgroup> MakeMemoryCgroup(std::string* why) {
-  const std::string name = "forksafe_test_" + std::to_string(getpid());
-  auto cg = std::make_unique<Cgroup>();
-  std::string limit_file;
-  if (Exists("/sys/fs/cgroup/memory/memory.limit_in_bytes")) {  // v1
-    cg->dir = "/sys/fs/cgroup/memory/" + name;
-    limit_file = cg->dir + "/memory.limit_in_bytes";
-  } else if (Exists("/sys/fs/cgroup/cgroup.controllers")) {  // v2
-    cg->dir = "/sys/fs/cgroup/" + name;
-    limit_file = cg->dir + "/memory.max";
-    WriteFile("/sys/fs/cgroup/cgroup.subtree_control", "+memory");  // may already be on
-  } else {
-    *why = "no memory cgroup controller is mounted at /sys/fs/cgroup";
-    return nullptr;
-  }
-  if (mkdir(cg->dir.c_str(), 0755) != 0) {
-    *why = "cannot make a memory cgroup (mkdir " + cg->dir + ": " + strerror(errno) +
-           "): this test needs write access to /sys/fs/cgroup (root, no read-only mount)";
-    cg->dir.clear();
-    return nullptr;
-  }
-  cg->procs = cg->dir + "/cgroup.procs";
-  if (!Exists(limit_file) || !WriteFile(limit_file, std::to_string(kLimit))) {
-    *why = "the cgroup " + cg->dir + " takes no memory limit (" + limit_file + ": " +
+// A memory cgroup of this test's own (tests/support/test_cgroup.h: it kills what is left inside,
+// removes the cgroup and restores what it changed, also when the test fails or was killed in an
+// earlier run), limited to kLimit.
+std::unique_ptr<forksafe::testing::TestCgroup> MakeMemoryCgroup(std::string* why) {
+  auto cg = forksafe::testing::TestCgroup::Make("memory", why);
+  if (cg == nullptr) return nullptr;
+  const char* limit_file = cg->v2() ? "memory.max" : "memory.limit_in_bytes";
+  if (!cg->Write(limit_file, std::to_string(kLimit))) {
+    *why = "the cgroup " + cg->dir() + " takes no memory limit (" + limit_file + ": " +
            strerror(errno) + ")";
     return nullptr;  // its destructor removes it
   }
@@ -178,16 +140,57 @@ int UnderTheLimit() {
 
 TEST(MemoryCgroup, BeyondItsRoomIsAClearErrorAndWorkUnderItGoesOn) {
   std::string why;
-  std::unique_ptr<Cgroup> cg = MakeMemoryCgroup(&why);
+  std::unique_ptr<forksafe::testing::TestCgroup> cg = MakeMemoryCgroup(&why);
   if (cg == nullptr) GTEST_SKIP() << why;
-  const std::string procs = cg->procs;
-  auto r = forksafe::testing::RunInChild([&procs] {
-    if (!WriteFile(procs, std::to_string(getpid()))) {
-      fprintf(stderr, "cannot join the cgroup (%s): %s\n", procs.c_str(), strerror(errno));
+  const forksafe::testing::TestCgroup* c = cg.get();
+  auto r = forksafe::testing::RunInChild([c] {
+    if (!c->Join()) {
+      fprintf(stderr, "cannot join the cgroup (%s): %s\n", c->dir().c_str(), strerror(errno));
       return 10;
     }
     return UnderTheLimit();
   }, 120s, 120);
+  EXPECT_TRUE(r.ok()) << r.Describe()
+                      << " (killed by signal 9: the cgroup's OOM killer, a size not refused)";
+}
+
+// Review of issue 14, finding 3: memory_bounds.cc located the cgroup itself and read only the
+// process's cgroup and the hierarchy's root, so a limit on an ancestor (a container's or a job's
+// cgroup, with the process in a cgroup below it) was never seen and a size beyond it set off the
+// OOM killer. It now uses runtime/internal/cgroup.h, which walks every ancestor.
+TEST(MemoryCgroup, ALimitOnAnAncestorCgroupIsSeen) {
+  std::string why;
+  std::unique_ptr<forksafe::testing::TestCgroup> cg = MakeMemoryCgroup(&why);
+  if (cg == nullptr) GTEST_SKIP() << why;
+  if (!cg->v2()) cg->Write("memory.use_hierarchy", "1");  // v1: limits apply to sub-cgroups
+  const std::string inner = cg->MakeSub("inner");  // no limit of its own
+  ASSERT_FALSE(inner.empty()) << strerror(errno);
+  const forksafe::testing::TestCgroup* c = cg.get();
+  auto r = forksafe::testing::RunInChild([c, &inner] {
+    if (!c->Join(inner)) {
+      fprintf(stderr, "cannot join %s: %s\n", inner.c_str(), strerror(errno));
+      return 10;
+    }
+    bool seen = false;
+    for (const auto& l : runtime::internal::MemoryLimits(runtime::internal::MemoryUse::kShared)) {
+      if (l.name.find(c->dir() + "/memory.") != std::string::npos && l.bytes <= kLimit) {
+        seen = true;
+      }
+    }
+    if (!seen) {
+      fprintf(stderr, "MemoryLimits(kShared) does not list the room under %s\n",
+              c->dir().c_str());
+      return 1;
+    }
+    std::string msg;
+    const int code = CodeOf([] { Array<double> a(size_t{1} << 27); }, &msg);  // 1 GiB
+    if (code != static_cast<int>(ErrorCode::kResourceExhausted) ||
+        msg.find("cgroup") == std::string::npos) {
+      fprintf(stderr, "Array<double>(2^27): code %d, \"%s\"\n", code, msg.c_str());
+      return 2;
+    }
+    return 0;
+  }, 60s, 60);
   EXPECT_TRUE(r.ok()) << r.Describe()
                       << " (killed by signal 9: the cgroup's OOM killer, a size not refused)";
 }

@@ -6,9 +6,15 @@
 //
 // What changes the process (the mask, the environment, the cgroup) happens in a forked child.
 // The parsers are tested on file contents and on fake /proc + /sys trees (internal/cgroup.h takes
-// the root of every path), and the real quota on a cgroup of the test's own (v2 where its cpu
-// controller is available, else v1), which needs root and a writable /sys/fs/cgroup: where
-// there is none the test skips and says why.
+// the root of every path), and the real quota on a cgroup of the test's own
+// (tests/support/test_cgroup.h: v2 where its cpu controller is available, else v1; it leaves the
+// machine as found), which needs root and a writable /sys/fs/cgroup: where there is none the test
+// skips and says why.
+//
+// Review of issue 14: a malformed OMP_NUM_THREADS threw even when FORKSAFE_NUM_THREADS decided
+// (it is now not read then, and alone it is a warning); the mask was the calling thread's, so a
+// pinned worker got pools of 1 (APinnedThreadGetsTheProcessCount); the memory bounds had a
+// cgroup locator of their own that missed ancestors and container roots (MemoryRoom tests).
 #include <sched.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -29,8 +35,10 @@
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/cgroup.h"
 #include "forksafe/runtime/internal/cpu_budget_parts.h"
+#include "forksafe/runtime/internal/memory_bounds.h"
 #include "forksafe/runtime/thread_pool.h"
 #include "tests/support/child_process.h"
+#include "tests/support/test_cgroup.h"
 
 namespace forksafe::runtime {
 namespace {
@@ -55,11 +63,6 @@ bool WriteFile(const std::string& path, const std::string& text) {
   if (f == nullptr) return false;
   const bool ok = fputs(text.c_str(), f) >= 0;
   return fclose(f) == 0 && ok;
-}
-
-bool Exists(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0;
 }
 
 // Restricts the calling process to its first allowed CPU.
@@ -105,6 +108,43 @@ int DefaultsAre(int want, const char* why) {
 void ClearOverrides() {
   unsetenv(kForksafeNumThreadsEnv);
   unsetenv(kOmpNumThreadsEnv);
+}
+
+// What `f` writes on stderr (descriptor 2 goes to an unlinked file meanwhile; restored also when
+// `f` throws).
+std::string CaptureStderr(const std::function<void()>& f) {
+  const char* base = getenv("TEST_TMPDIR");
+  std::string path = std::string(base != nullptr ? base : "/tmp") + "/stderr_XXXXXX";
+  const int fd = mkstemp(path.data());
+  if (fd < 0) return "(cannot capture stderr: " + std::string(strerror(errno)) + ")";
+  unlink(path.c_str());
+  fflush(stderr);
+  const int saved = dup(2);
+  dup2(fd, 2);
+  struct Restore {
+    int fd, saved;
+    ~Restore() {
+      fflush(stderr);
+      dup2(saved, 2);
+      close(saved);
+    }
+  };
+  {
+    Restore restore{fd, saved};
+    try {
+      f();
+    } catch (...) {
+      close(fd);
+      throw;
+    }
+  }
+  std::string text;
+  char buf[4096];
+  ssize_t n;
+  lseek(fd, 0, SEEK_SET);
+  while ((n = read(fd, buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
+  close(fd);
+  return text;
 }
 
 // The message of the Error `f` throws with kInvalidArgument; "" (and a failure) otherwise.
@@ -229,20 +269,13 @@ TEST(CpuBudgetTest, OverrideValues) {
   }
 }
 
-TEST(CpuBudgetTest, MalformedOverrideIsAClearErrorOfBothDefaults) {
+TEST(CpuBudgetTest, MalformedForksafeNumThreadsIsAClearErrorOfBothDefaults) {
   auto r = RunInChild([] {
-    ClearOverrides();
-    struct Case {
-      const char* var;
-      const char* value;
-    };
-    for (const Case& c : {Case{kForksafeNumThreadsEnv, "four"}, Case{kOmpNumThreadsEnv, "0"},
-                          Case{kOmpNumThreadsEnv, "4,x"}}) {
+    for (const char* value : {"four", "0", "4,2", "-1"}) {
       ClearOverrides();
-      setenv(c.var, c.value, 1);
-      // A malformed OMP_NUM_THREADS is reported even though FORKSAFE_NUM_THREADS would win.
-      if (std::string(c.var) == kOmpNumThreadsEnv) setenv(kForksafeNumThreadsEnv, "2", 1);
-      const std::string needle = std::string(c.var) + "=\"" + c.value + "\"";
+      setenv(kForksafeNumThreadsEnv, value, 1);
+      setenv(kOmpNumThreadsEnv, "2", 1);  // valid, but ours is the one that decides
+      const std::string needle = std::string(kForksafeNumThreadsEnv) + "=\"" + value + "\"";
       const std::string a = InvalidArgumentOf([] { ThreadPool pool; });
       const std::string b = InvalidArgumentOf([] {
         mp::PoolOptions o;
@@ -258,6 +291,124 @@ TEST(CpuBudgetTest, MalformedOverrideIsAClearErrorOfBothDefaults) {
       if (sized.num_threads() != 2) return 4;
     }
     return ::testing::Test::HasFailure() ? 5 : 0;
+  }, 60s);
+  EXPECT_TRUE(r.ok()) << r.Describe();
+}
+
+// Review of issue 14, finding 1: a malformed OMP_NUM_THREADS threw even when a valid
+// FORKSAFE_NUM_THREADS decided the count. It must not even be read then.
+TEST(CpuBudgetTest, OmpNumThreadsIsNotReadWhenForksafeNumThreadsDecides) {
+  auto r = RunInChild([] {
+    ClearOverrides();
+    setenv(kForksafeNumThreadsEnv, "2", 1);
+    for (const char* bad : {"0", "4,x", "auto"}) {
+      setenv(kOmpNumThreadsEnv, bad, 1);
+      CpuBudget b;
+      std::string err;
+      try {
+        err = CaptureStderr([&b] { b = GetCpuBudget(); });
+      } catch (const std::exception& e) {
+        fprintf(stderr, "OMP_NUM_THREADS=\"%s\" threw although FORKSAFE_NUM_THREADS=2 decides: %s\n",
+                bad, e.what());
+        return 3;
+      }
+      if (b.cpus != 2 || b.source != CpuBudgetSource::kForksafeNumThreads) {
+        fprintf(stderr, "OMP_NUM_THREADS=\"%s\": %s\n", bad, b.ToString().c_str());
+        return 4;
+      }
+      if (!err.empty() || !b.warning.empty()) {
+        fprintf(stderr, "OMP_NUM_THREADS=\"%s\" was parsed: \"%s\" \"%s\"\n", bad, err.c_str(),
+                b.warning.c_str());
+        return 5;
+      }
+      if (DefaultsAre(2, "FORKSAFE_NUM_THREADS=2 with a malformed OMP_NUM_THREADS") != 0) return 6;
+    }
+    return 0;
+  }, 60s);
+  EXPECT_TRUE(r.ok()) << r.Describe();
+}
+
+// Finding 1, the other half: OMP_NUM_THREADS belongs to another library. A malformed value alone
+// is warned about once on stderr (what was wrong, what is used instead), and the default falls back
+// to the affinity mask and quota, as if it were unset.
+TEST(CpuBudgetTest, MalformedOmpNumThreadsAloneWarnsOnceAndFallsBackToTheCpus) {
+  auto r = RunInChild([] {
+    ClearOverrides();
+    const CpuBudget unset = GetCpuBudget();  // what the mask and the quota give
+    setenv(kOmpNumThreadsEnv, "four", 1);
+    CpuBudget first;
+    CpuBudget second;
+    int pool_threads = 0;
+    int pool_processes = 0;
+    std::string err;
+    try {
+      err = CaptureStderr([&] {
+        first = GetCpuBudget();
+        second = GetCpuBudget();
+        ThreadPool pool;
+        pool_threads = pool.num_threads();
+        mp::PoolOptions o;
+        o.start_method = "fork";
+        mp::Pool p(o);
+        pool_processes = p.processes();
+      });
+    } catch (const std::exception& e) {
+      fprintf(stderr, "a malformed OMP_NUM_THREADS alone threw: %s\n", e.what());
+      return 3;
+    }
+    if (first.cpus != unset.cpus || first.source != unset.source || second.cpus != unset.cpus ||
+        pool_threads != unset.cpus || pool_processes != unset.cpus) {
+      fprintf(stderr, "want %s; got %s, %s, pool %d, Pool %d\n", unset.ToString().c_str(),
+              first.ToString().c_str(), second.ToString().c_str(), pool_threads, pool_processes);
+      return 4;
+    }
+    const std::string needle = "OMP_NUM_THREADS=\"four\"";
+    const size_t at = err.find(needle);
+    if (at == std::string::npos || err.find(needle, at + 1) != std::string::npos ||
+        err.find(unset.ToString()) == std::string::npos ||
+        err.find(kForksafeNumThreadsEnv) == std::string::npos) {
+      fprintf(stderr, "want one warning naming %s, the count used (%s) and %s; stderr:\n%s\n",
+              needle.c_str(), unset.ToString().c_str(), kForksafeNumThreadsEnv, err.c_str());
+      return 5;
+    }
+    if (first.warning.find(needle) == std::string::npos) {
+      fprintf(stderr, "CpuBudget::warning: \"%s\"\n", first.warning.c_str());
+      return 6;
+    }
+    return 0;
+  }, 60s);
+  EXPECT_TRUE(r.ok()) << r.Describe();
+}
+
+// Review of issue 14, finding 2: sched_getaffinity(0) reads the calling thread's mask. A thread
+// that pinned itself (OpenMP's and many frameworks' workers do) then sized every pool it made to
+// 1. The default must be the process's count, from whichever thread asks.
+TEST(CpuBudgetTest, APinnedThreadGetsTheProcessCount) {
+  if (MaskCpus() < 2) {
+    GTEST_SKIP() << "needs >= 2 CPUs in the affinity mask (it has " << MaskCpus()
+                 << "): a thread pinned to one CPU must differ from the process";
+  }
+  auto r = RunInChild([] {
+    ClearOverrides();
+    const CpuBudget process = GetCpuBudget();
+    int rc = 0;
+    std::thread pinned([&process, &rc] {
+      if (!PinToOneCpu() || MaskCpus() != 1) {
+        rc = 2;
+        return;
+      }
+      const CpuBudget b = GetCpuBudget();
+      if (b.affinity_cpus != process.affinity_cpus || b.cpus != process.cpus) {
+        fprintf(stderr, "from a thread pinned to 1 CPU: %s; the process: %s\n",
+                b.ToString().c_str(), process.ToString().c_str());
+        rc = 5;
+        return;
+      }
+      ThreadPool pool;
+      if (pool.num_threads() != process.cpus) rc = 3;
+    });
+    pinned.join();
+    return rc;
   }, 60s);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
@@ -290,6 +441,24 @@ TEST(CpuBudgetTest, ComputeTakesTheSmallerOfMaskAndQuota) {
   in.forksafe_num_threads = "7";
   EXPECT_EQ(ComputeCpuBudget(in).cpus, 7);
   EXPECT_EQ(ComputeCpuBudget(in).source, CpuBudgetSource::kForksafeNumThreads);
+  // FORKSAFE_NUM_THREADS decides: a malformed OMP_NUM_THREADS is not read.
+  in.omp_num_threads = "auto";
+  b = ComputeCpuBudget(in);
+  EXPECT_EQ(b.cpus, 7);
+  EXPECT_TRUE(b.warning.empty()) << b.warning;
+  // Alone, it is ignored with a warning: the CPUs decide.
+  in.forksafe_num_threads = nullptr;
+  in.affinity_cpus = 6;
+  in.quota = {4, "/sys/fs/cgroup/q/cpu.max"};
+  b = ComputeCpuBudget(in);
+  EXPECT_EQ(b.cpus, 4);
+  EXPECT_EQ(b.source, CpuBudgetSource::kCgroupQuota);
+  EXPECT_NE(b.warning.find("OMP_NUM_THREADS=\"auto\""), std::string::npos) << b.warning;
+  EXPECT_NE(b.warning.find(b.ToString()), std::string::npos) << b.warning;
+  // Ours stays an error.
+  in.forksafe_num_threads = "auto";
+  EXPECT_NE(InvalidArgumentOf([&in] { ComputeCpuBudget(in); }).find("FORKSAFE_NUM_THREADS=\"auto\""),
+            std::string::npos);
 }
 
 TEST(CgroupParseTest, CpuMax) {
@@ -422,91 +591,72 @@ TEST(CgroupTreeTest, NoMountinfoFallsBackToTheUsualPlacesAndNothingIsNone) {
   EXPECT_EQ(ReadCpuQuota(t.root()).cpus, 3);
 }
 
+TEST(CgroupTreeTest, MemoryRoomIsTheTightestAncestorUnderAContainerRoot) {
+  TempTree t;
+  ASSERT_FALSE(t.root().empty());
+  // v1 memory mounted with the container's cgroup as its root (docker without a cgroup
+  // namespace): the old locator of memory_bounds.cc read /sys/fs/cgroup/memory/docker/abc/job,
+  // which does not exist in the container, and missed every limit; it also read only the
+  // process's cgroup and the root, never the ancestors between.
+  t.Put("/proc/self/mountinfo",
+        "41 35 0:36 /docker/abc /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n");
+  t.Put("/proc/self/cgroup", "4:memory:/docker/abc/job/step\n0::/\n");
+  const std::string m = "/sys/fs/cgroup/memory";
+  t.Put(m + "/job/step/memory.limit_in_bytes", "9223372036854771712\n");  // v1: no limit
+  t.Put(m + "/job/step/memory.usage_in_bytes", "1000\n");
+  t.Put(m + "/job/memory.limit_in_bytes", "300000\n");
+  t.Put(m + "/job/memory.usage_in_bytes", "100000\n");
+  t.Put(m + "/memory.limit_in_bytes", "1000000\n");
+  t.Put(m + "/memory.usage_in_bytes", "500000\n");
+  internal::MemoryCgroupRoom room = internal::ReadMemoryCgroupRoom(t.root());
+  EXPECT_EQ(room.bytes, 200000u);
+  EXPECT_EQ(room.file, m + "/job/memory.limit_in_bytes");
+  t.Put(m + "/memory.usage_in_bytes", "900000\n");  // the container's root is tighter now
+  room = internal::ReadMemoryCgroupRoom(t.root());
+  EXPECT_EQ(room.bytes, 100000u);
+  EXPECT_EQ(room.file, m + "/memory.limit_in_bytes");
+  // v2: memory.max - memory.current; "max" is no limit.
+  TempTree v2;
+  ASSERT_FALSE(v2.root().empty());
+  v2.Put("/proc/self/mountinfo", "30 1 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n");
+  v2.Put("/proc/self/cgroup", "0::/a/b\n");
+  v2.Put("/sys/fs/cgroup/a/b/memory.max", "max\n");
+  v2.Put("/sys/fs/cgroup/a/b/memory.current", "10\n");
+  EXPECT_EQ(internal::ReadMemoryCgroupRoom(v2.root()).bytes, UINT64_MAX);
+  v2.Put("/sys/fs/cgroup/a/memory.max", "4096\n");
+  v2.Put("/sys/fs/cgroup/a/memory.current", "1024\n");
+  room = internal::ReadMemoryCgroupRoom(v2.root());
+  EXPECT_EQ(room.bytes, 3072u);
+  EXPECT_EQ(room.file, "/sys/fs/cgroup/a/memory.max");
+}
+
 // ---- a real cgroup quota ----------------------------------------------------------------------
-
-// A cpu cgroup of this test's own with a quota of one CPU; removed by the destructor once the
-// processes in it are gone.
-struct CpuCgroup {
-  std::string dir;
-  std::string procs;
-  ~CpuCgroup() {
-    if (dir.empty()) return;
-    for (int i = 0; i < 100 && rmdir(dir.c_str()) != 0 && errno == EBUSY; ++i) {
-      std::this_thread::sleep_for(10ms);  // the last process is still leaving
-    }
-    if (Exists(dir)) fprintf(stderr, "rmdir %s: %s\n", dir.c_str(), strerror(errno));
-  }
-};
-
-bool HasWord(const std::string& text, const std::string& word) {
-  return (" " + text + " ").find(" " + word + " ") != std::string::npos ||
-         (" " + text + "\n").find(" " + word + "\n") != std::string::npos;
-}
-
-std::unique_ptr<CpuCgroup> MakeOneCpuCgroup(std::string* why) {
-  const std::string name = "forksafe_cpu_test_" + std::to_string(getpid());
-  auto cg = std::make_unique<CpuCgroup>();
-  std::string quota_file;
-  std::string quota;
-  std::string v2_root;
-  for (const char* r : {"/sys/fs/cgroup", "/sys/fs/cgroup/unified"}) {
-    if (HasWord(internal::ReadSmallFile(std::string(r) + "/cgroup.controllers"), "cpu")) {
-      v2_root = r;
-      break;
-    }
-  }
-  std::string v1_root;
-  for (const char* r : {"/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"}) {
-    if (Exists(std::string(r) + "/cpu.cfs_quota_us")) {
-      v1_root = r;
-      break;
-    }
-  }
-  if (!v2_root.empty()) {
-    WriteFile(v2_root + "/cgroup.subtree_control", "+cpu");  // may already be on
-    cg->dir = v2_root + "/" + name;
-  } else if (!v1_root.empty()) {
-    cg->dir = v1_root + "/" + name;
-  } else {
-    *why = "no cgroup cpu controller is mounted (neither v2 with \"cpu\" in cgroup.controllers "
-           "nor v1 cpu.cfs_quota_us)";
-    return nullptr;
-  }
-  if (mkdir(cg->dir.c_str(), 0755) != 0) {
-    *why = "cannot make a cpu cgroup (mkdir " + cg->dir + ": " + strerror(errno) +
-           "): this test needs root and a writable /sys/fs/cgroup";
-    cg->dir.clear();
-    return nullptr;
-  }
-  cg->procs = cg->dir + "/cgroup.procs";
-  const bool ok = !v2_root.empty()
-                      ? WriteFile(cg->dir + "/cpu.max", "100000 100000")
-                      : WriteFile(cg->dir + "/cpu.cfs_period_us", "100000") &&
-                            WriteFile(cg->dir + "/cpu.cfs_quota_us", "100000");
-  if (!ok) {
-    *why = "the cgroup " + cg->dir + " takes no CPU quota (" + strerror(errno) + ")";
-    return nullptr;  // its destructor removes it
-  }
-  return cg;
-}
 
 TEST(CpuBudgetTest, DefaultsFollowACgroupQuota) {
   if (MaskCpus() < 2) GTEST_SKIP() << "needs 2 CPUs in the mask to show a 1-CPU quota";
   std::string why;
-  std::unique_ptr<CpuCgroup> cg = MakeOneCpuCgroup(&why);
+  // A cpu cgroup of the test's own (tests/support/test_cgroup.h: it restores what it changed and
+  // removes the cgroup, also when the test fails).
+  std::unique_ptr<forksafe::testing::TestCgroup> cg =
+      forksafe::testing::TestCgroup::Make("cpu", &why);
   if (cg == nullptr) GTEST_SKIP() << why;
-  const std::string procs = cg->procs;
-  const std::string dir = cg->dir;
-  auto r = RunInChild([&procs, &dir] {
+  const bool quota_set = cg->v2() ? cg->Write("cpu.max", "100000 100000")
+                                  : cg->Write("cpu.cfs_period_us", "100000") &&
+                                        cg->Write("cpu.cfs_quota_us", "100000");
+  ASSERT_TRUE(quota_set) << "the cgroup " << cg->dir() << " takes no CPU quota: "
+                         << strerror(errno);
+  const forksafe::testing::TestCgroup* c = cg.get();
+  auto r = RunInChild([c] {
     ClearOverrides();
-    if (!WriteFile(procs, std::to_string(getpid()))) {
-      fprintf(stderr, "cannot join %s: %s\n", procs.c_str(), strerror(errno));
+    if (!c->Join()) {
+      fprintf(stderr, "cannot join %s: %s\n", c->dir().c_str(), strerror(errno));
       return 2;
     }
     const CpuBudget b = GetCpuBudget();
     if (b.cpus != 1 || b.source != CpuBudgetSource::kCgroupQuota ||
-        b.quota_file.find(dir) != 0) {
-      fprintf(stderr, "budget in a 1-CPU cgroup (%s): %s\n", dir.c_str(), b.ToString().c_str());
+        b.quota_file.find(c->dir()) != 0) {
+      fprintf(stderr, "budget in a 1-CPU cgroup (%s): %s\n", c->dir().c_str(),
+              b.ToString().c_str());
       return 5;
     }
     return DefaultsAre(1, "a cgroup with a 1-CPU quota");

@@ -155,6 +155,123 @@ TEST(ForeignPoolTest, AParkThatNeverSucceedsLetsTheForkGoAndTheChildKnows) {
   EXPECT_EQ(g.stats().refused, 3u);
 }
 
+// Destroying a guard inside an at-fork callback (the registry is locked for the fork, so it
+// cannot unregister it). The first version swallowed Unregister's kFailedPrecondition: the
+// registration stayed, pointing at the destroyed guard, nothing said so, and the next fork
+// called the destroyed pool's park (a use after free). Now the fork's report says so, stderr
+// says so once per process, the guard's callbacks are never called again, and the next guard
+// made outside a fork callback removes the registration. In a child, so that "once per process"
+// and the redirected stderr concern that process only.
+TEST(ForeignPoolTest, AGuardDestroyedInsideAForkCallbackIsReportedAndNeverCalledAgain) {
+  ChildResult r = RunInChild([] {
+    FILE* err = std::tmpfile();
+    if (err == nullptr) return 2;
+    std::fflush(stderr);
+    const int saved = dup(2);
+    dup2(fileno(err), 2);
+    std::atomic<int> parks{0};
+    const auto park = [&parks](const PrepareAttempt&) {
+      ++parks;
+      return true;
+    };
+    auto* doomed = new ForeignPoolGuard({"doomed", park, nullptr, [](bool) {}});
+    auto* doomed2 = new ForeignPoolGuard({"doomed2", park, nullptr, [](bool) {}});
+    int token = 0;
+    AtForkHandler deleter;
+    deleter.name = "deleter";
+    deleter.parent = [&](bool) {  // after the guards' own parent callbacks (registration order)
+      delete doomed;
+      delete doomed2;
+      doomed = doomed2 = nullptr;
+    };
+    int code = 0;
+    const auto fail = [&code](int c, const std::string& why) {
+      if (code == 0) code = c;
+      std::printf("AGuardDestroyedInsideAForkCallback: %s\n", why.c_str());
+    };
+    {
+      AtForkRegistration reg(&token, std::move(deleter));
+      const ChildResult g = RunInChild([] { return 0; }, 20s);
+      if (!g.ok()) fail(3, "first grandchild: " + g.Describe());
+    }
+    if (doomed != nullptr) fail(4, "the deleter did not run");
+    const ForkReport rep = AtForkRegistry::Get().LastReport();
+    int events = 0;
+    for (const ForkEvent& e : rep.events) {
+      if (e.kind == ForkEventKind::kHandlerThrew &&
+          (e.subsystem == "foreign_pool:doomed" || e.subsystem == "foreign_pool:doomed2") &&
+          e.detail.find("destroyed inside an at-fork callback") != std::string::npos) {
+        ++events;
+      }
+    }
+    if (events != 2) fail(5, "events naming the misuse: " + std::to_string(events) + "\n" +
+                                 rep.ToString());
+    if (parks.load() != 2) fail(6, "parks before the misuse: " + std::to_string(parks.load()));
+    if (!Registered("foreign_pool:doomed")) fail(7, "the inert registration is gone already");
+    const ChildResult g2 = RunInChild([] { return 0; }, 20s);
+    if (!g2.ok()) fail(8, "second grandchild: " + g2.Describe());
+    if (parks.load() != 2) fail(9, "a destroyed guard's park was called: " +
+                                       std::to_string(parks.load()));
+    {
+      ForeignPoolGuard next({"next", park, nullptr, [](bool) {}});  // removes the inert ones
+      if (Registered("foreign_pool:doomed") || Registered("foreign_pool:doomed2")) {
+        fail(10, "a new guard did not remove the inert registrations");
+      }
+    }
+    std::fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    std::string said;
+    std::rewind(err);
+    char buf[512];
+    while (std::fgets(buf, sizeof buf, err) != nullptr) said += buf;
+    std::fclose(err);
+    size_t lines = 0;
+    for (size_t at = said.find("forksafe: foreign_pool:doomed"); at != std::string::npos;
+         at = said.find("forksafe: foreign_pool:doomed", at + 1)) {
+      ++lines;
+    }
+    if (lines != 1 || said.find("destroyed inside an at-fork callback") == std::string::npos) {
+      fail(11, "stderr should say it once, said:\n" + said);
+    }
+    return code;
+  }, 60s);
+  EXPECT_TRUE(r.ok()) << r.Describe();
+}
+
+// The same misuse in a child: rebuild_in_child destroys its own pool. The child's report (of the
+// fork that made it) says so, and the child's own forks never call the destroyed guard.
+TEST(ForeignPoolTest, APoolDestroyedByItsOwnRebuildInChildIsReported) {
+  std::atomic<int> parks{0};
+  ForeignPoolGuard* g = nullptr;
+  g = new ForeignPoolGuard({"self_destroyed",
+                            [&parks](const PrepareAttempt&) {
+                              ++parks;
+                              return true;
+                            },
+                            nullptr, [&g](bool) {
+                              delete g;  // the child drops the pool: the misuse
+                              g = nullptr;
+                            }});
+  ChildResult r = RunInChild([&] {
+    if (g != nullptr) return 3;
+    if (!HasEvent(AtForkRegistry::Get().LastReport(), ForkEventKind::kHandlerThrew,
+                  "foreign_pool:self_destroyed")) {
+      return 4;
+    }
+    const int before = parks.load();
+    const ChildResult gc = RunInChild([] { return 0; }, 20s);
+    if (!gc.ok()) return 5;
+    return parks.load() == before ? 0 : 6;  // 6: the destroyed guard's park ran
+  }, 30s);
+  EXPECT_TRUE(r.ok()) << r.Describe()
+                      << " (3: not destroyed, 4: not reported, 5: grandchild failed, 6: called "
+                         "after its destruction)";
+  EXPECT_EQ(parks.load(), 1);
+  delete g;  // the parent's pool: destroyed as usual
+  EXPECT_FALSE(Registered("foreign_pool:self_destroyed"));
+}
+
 // The defect the adapter exists for, with the smallest pool there is: a std::thread worker and a
 // condition variable. In the child the worker does not exist, so a task queued there never runs.
 TEST(ForeignPoolTest, WithoutTheAdapterAChildsTasksNeverRun) {
@@ -248,6 +365,105 @@ TEST(ForeignPoolTest, TinyPoolForkedWhileBusy) {
   EXPECT_EQ(done.load(), submitted.load()) << "every task of the parent runs once";
   EXPECT_EQ(pool.fork_guard().stats().gave_up, 0u);
   EXPECT_GE(pool.fork_guard().stats().parked, static_cast<uint64_t>(forks));
+}
+
+// Registry options that give up on a prepare within about a second (3 attempts).
+void ShortenTheFork(const AtForkOptions& saved) {
+  AtForkOptions o = saved;
+  o.max_prepare_attempts = 3;
+  o.prepare_deadline = 300ms;
+  o.attempt_wait = 20ms;
+  AtForkRegistry::Get().SetOptions(o);
+}
+
+// A child forked from a process whose TinyPool could not be parked: its pool is rebuilt fresh
+// (the old state abandoned) and runs its own tasks. 0 when it did.
+int ChildRunsTasksOnAFreshPool(tiny::TinyPool& pool) {
+  if (pool.fork_guard().stats().gave_up != 1) return 3;
+  std::atomic<int> mine{0};
+  for (int i = 0; i < 20; ++i) pool.Submit([&mine] { ++mine; });
+  return pool.WaitIdle(10s) && mine.load() == 20 ? 0 : 4;
+}
+
+// The expiry path of TinyPool's park: a worker stuck in a task. Park waits for it until the
+// attempt's deadline, then says "not yet" (having undone its pause); on the registry's last
+// attempt the fork goes ahead unparked, within the registry's bound, the report says so, and the
+// child builds a fresh pool. The parent's pool goes on once the task ends.
+TEST(ForeignPoolTest, TinyPoolWithAWorkerStuckInATaskLetsTheForkGoWithinItsBound) {
+  OptionsRestorer restore;
+  ShortenTheFork(restore.saved);
+  tiny::TinyPool pool(2, "stuck_task");
+  std::atomic<bool> started{false}, release{false};
+  std::atomic<int> done{0};
+  pool.Submit([&] {
+    started = true;
+    for (int i = 0; i < 2000 && !release; ++i) std::this_thread::sleep_for(10ms);  // <= 20 s
+    ++done;
+  });
+  ASSERT_TRUE(forksafe::testing::WaitUntil([&] { return started.load(); }));
+  const auto start = std::chrono::steady_clock::now();
+  const ChildResult r = RunInChild([&pool] { return ChildRunsTasksOnAFreshPool(pool); }, 30s);
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_TRUE(r.ok()) << r.Describe() << " (3: not told it was unparked, 4: tasks did not run)";
+  EXPECT_LT(took, 5s) << "the fork waited past the registry's bound";
+  const ForkReport rep = AtForkRegistry::Get().LastReport();
+  EXPECT_TRUE(HasEvent(rep, ForkEventKind::kPrepareGaveUp, "foreign_pool:stuck_task"))
+      << rep.ToString();
+  EXPECT_EQ(pool.fork_guard().stats().gave_up, 1u);
+  EXPECT_EQ(pool.fork_guard().stats().parked, 0u);
+  release = true;
+  std::atomic<int> more{0};
+  for (int i = 0; i < 10; ++i) pool.Submit([&more] { ++more; });
+  EXPECT_TRUE(pool.WaitIdle(10s));
+  EXPECT_EQ(done.load(), 1);
+  EXPECT_EQ(more.load(), 10);
+}
+
+// A thread that has finished its tasks but cannot end: a task left a thread_local whose
+// destructor blocks (a flush to a stuck pipe, say). The first version of park joined its threads
+// without a bound and the fork waited as long as the destructor did (8 s here); park now joins
+// until the attempt's deadline, and the fork goes ahead unparked within the registry's bound.
+std::atomic<bool> g_exit_release{false};
+struct BlockingThreadExit {
+  bool armed = false;
+  ~BlockingThreadExit() {
+    for (int i = 0; armed && i < 800 && !g_exit_release; ++i) {
+      std::this_thread::sleep_for(10ms);  // <= 8 s: the first version's fork ends too
+    }
+  }
+};
+
+TEST(ForeignPoolTest, TinyPoolWhoseThreadCannotEndLetsTheForkGoWithinItsBound) {
+  OptionsRestorer restore;
+  ShortenTheFork(restore.saved);
+  g_exit_release = false;
+  {
+    tiny::TinyPool pool(2, "stuck_exit");
+    pool.Submit([] {
+      thread_local BlockingThreadExit blocker;
+      blocker.armed = true;
+    });
+    ASSERT_TRUE(pool.WaitIdle(10s));
+    const auto start = std::chrono::steady_clock::now();
+    const ChildResult r = RunInChild([&pool] { return ChildRunsTasksOnAFreshPool(pool); }, 30s);
+    const auto took = std::chrono::steady_clock::now() - start;
+    EXPECT_TRUE(r.ok()) << r.Describe() << " (3: not told it was unparked, 4: tasks did not run)";
+    EXPECT_LT(took, 5s) << "the fork waited for a thread's end past the registry's bound";
+    const ForkReport rep = AtForkRegistry::Get().LastReport();
+    EXPECT_TRUE(HasEvent(rep, ForkEventKind::kPrepareGaveUp, "foreign_pool:stuck_exit"))
+        << rep.ToString();
+    // The parent's pool still runs tasks (on fresh threads), and parks again once the thread
+    // has ended.
+    std::atomic<int> ran{0};
+    for (int i = 0; i < 10; ++i) pool.Submit([&ran] { ++ran; });
+    EXPECT_TRUE(pool.WaitIdle(10s));
+    EXPECT_EQ(ran.load(), 10);
+    g_exit_release = true;
+    const ChildResult again = RunInChild([] { return 0; }, 30s);
+    EXPECT_TRUE(again.ok()) << again.Describe();
+    EXPECT_EQ(pool.fork_guard().stats().parked, 1u) << "parked once the thread had ended";
+  }
+  g_exit_release = true;
 }
 
 }  // namespace

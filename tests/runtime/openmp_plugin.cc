@@ -15,4 +15,15 @@ long openmp_plugin_sum(long n, int threads) {
   return s;
 }
 
+// Runs a region of two threads in which thread `who` (0: the primary) calls fn(arg).
+void openmp_plugin_in_region(int who, void (*fn)(void*), void* arg) {
+#pragma omp parallel num_threads(2)
+  {
+    if (omp_get_thread_num() == who) fn(arg);
+  }
+}
+
+// Ends this thread's OpenMP threads (before the plugin, and with it the runtime, is unloaded).
+int openmp_plugin_release() { return omp_pause_resource_all(omp_pause_hard); }
+
 }  // extern "C"

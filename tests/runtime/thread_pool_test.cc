@@ -6,6 +6,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <mutex>
 #include <numeric>
 #include <stdexcept>
@@ -303,12 +305,38 @@ TEST(ThreadPoolTest, AWorkerThreadEndsCompletelyBeforeTheFork) {
   EXPECT_GE(r.attempts, 2) << "the first attempt should have been rolled back: " << r.ToString();
 }
 
-// This process's threads (entries of /proc/self/task).
+// Whether the kernel is tearing thread `tid` down (PF_EXITING in its flags, the 9th field of
+// /proc/self/task/<tid>/stat): its user-space part has ended (a join has returned), and it lingers
+// in /proc for a moment (longer under ThreadSanitizer).
+bool KernelIsEnding(const char* tid) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/task/%s/stat", tid);
+  FILE* f = fopen(path, "r");
+  if (f == nullptr) return true;  // gone meanwhile
+  char buf[512] = {0};
+  const size_t got = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  const char* p = static_cast<const char*>(memrchr(buf, ')', got));  // the name may hold spaces
+  if (p == nullptr) return false;
+  char state = 0;
+  int ppid = 0, pgrp = 0, session = 0, tty = 0, tpgid = 0;
+  unsigned long flags = 0;
+  if (sscanf(p + 1, " %c %d %d %d %d %d %lu", &state, &ppid, &pgrp, &session, &tty, &tpgid,
+             &flags) != 7) {
+    return false;
+  }
+  return (flags & 0x4) != 0;  // PF_EXITING
+}
+
+// This process's threads that still run user code (entries of /proc/self/task, less those the
+// kernel is tearing down).
 int ThreadCount() {
   DIR* d = opendir("/proc/self/task");
   if (d == nullptr) return -1;
   int n = 0;
-  while (const dirent* e = readdir(d)) n += e->d_name[0] != '.';
+  while (const dirent* e = readdir(d)) {
+    if (e->d_name[0] != '.' && !KernelIsEnding(e->d_name)) ++n;
+  }
   closedir(d);
   return n;
 }
