@@ -222,6 +222,9 @@ def main():
         "bare fork")
     row("6", "same, torch's child first calls set_num_threads(1)", "w6_busy_fork", "",
         bare_fork, "bare fork", torch_param="child set_num_threads(1)")
+    row("6", "OpenMP pool: forksafe's child runs an OpenMP region; torch with libforksafe.so "
+        "loaded", "w6_busy_fork", "OpenMP", bare_fork, "bare fork",
+        fs_param="OpenMP region in the child", torch_param="forksafe loaded (libforksafe.so)")
     w("")
 
     # Workload 6's hang counts.

@@ -11,7 +11,12 @@
 #ifndef FORKSAFE_BENCH_PEERS_HARNESS_H_
 #define FORKSAFE_BENCH_PEERS_HARNESS_H_
 
+#include <poll.h>
 #include <sched.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -222,6 +227,51 @@ inline void PinChild() {
   CPU_ZERO(&set);
   CPU_SET(atoi(cpu), &set);
   sched_setaffinity(0, sizeof set, &set);
+}
+
+// Waits for `pid` at most `timeout_ms` (pidfd + poll); kills it on timeout. Returns
+// 0 (exited 0), 1 (failed: non-zero exit or signal) or 2 (hung: killed after the timeout).
+inline int WaitBounded(pid_t pid, int timeout_ms) {
+  const int pfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (pfd < 0) throw std::runtime_error("pidfd_open failed");
+  pollfd pf{pfd, POLLIN, 0};
+  const int ready = poll(&pf, 1, timeout_ms);
+  close(pfd);
+  if (ready == 0) kill(pid, SIGKILL);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (ready == 0) return 2;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
+}
+
+// Workload 6's trials: each forks, runs `child` in the child (its return value is the exit
+// code) and waits at most 2 s for it (a hang is killed). Every trial counts towards the trials,
+// hangs and failures (warm-ups too); `status` holds the outcome of each timed one (0 ok,
+// 1 failed, 2 hung), so that latencies are read from the good ones.
+struct ForkTrials {
+  std::vector<double> samples;
+  std::vector<std::string> extra;  // the JSON members for Emitter::Samples
+};
+inline ForkTrials MeasureForkTrials(const Plan& plan, const std::function<int()>& child) {
+  int trials = 0, hangs = 0, failures = 0;
+  std::string status;
+  ForkTrials out;
+  out.samples = Measure(plan, [&](int i) {
+    ++trials;
+    const auto t0 = Clock::now();
+    const pid_t pid = fork();
+    if (pid == 0) _exit(child());
+    if (pid < 0) throw std::runtime_error("fork failed");
+    const int r = WaitBounded(pid, 2000);
+    const double us = Us(Clock::now() - t0);
+    if (r == 2) ++hangs;
+    if (r == 1) ++failures;
+    if (i >= plan.warmup) status += (status.empty() ? "" : ", ") + std::to_string(r);
+    return us;
+  });
+  out.extra = {"\"trials\": " + std::to_string(trials), "\"hangs\": " + std::to_string(hangs),
+               "\"failures\": " + std::to_string(failures), "\"status\": [" + status + "]"};
+  return out;
 }
 
 inline const int64_t kSizes[] = {int64_t{4} << 10, int64_t{1} << 20, int64_t{64} << 20};

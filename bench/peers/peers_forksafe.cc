@@ -301,21 +301,6 @@ void PoolLifecycle(const peers::Emitter& out, const peers::Plan& plan) {
 
 // ---- 6. Fork while the runtime's thread pools are busy ------------------------------------------
 
-// Waits for `pid` at most `timeout_ms` (pidfd + poll); kills it on timeout. Returns
-// 0 (exited 0), 1 (failed: non-zero exit or signal) or 2 (hung: killed after the timeout).
-int WaitBounded(pid_t pid, int timeout_ms) {
-  const int pfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
-  if (pfd < 0) throw std::runtime_error("pidfd_open failed");
-  pollfd pf{pfd, POLLIN, 0};
-  const int ready = poll(&pf, 1, timeout_ms);
-  close(pfd);
-  if (ready == 0) kill(pid, SIGKILL);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  if (ready == 0) return 2;
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
-}
-
 // The pool is the analogue of torch's intra-op pool after torch.set_num_threads(2): ParallelFor
 // runs on the calling thread plus the pool's one worker, a team of two as OpenMP's. A busy thread
 // runs parallel element-wise adds on it in a loop, as a thread calling torch.add would, and the
@@ -340,39 +325,21 @@ void BusyFork(const peers::Emitter& out, const peers::Plan& plan, bool child_use
   });
   while (rounds.load() < 20) std::this_thread::yield();
 
-  // Every trial counts towards trials/hangs/failures (warm-ups too); `status` holds the outcome
-  // of each timed one (0 ok, 1 failed, 2 hung), so that latencies are read from the good ones.
-  int trials = 0, hangs = 0, failures = 0;
-  std::string status;
-  auto samples = peers::Measure(plan, [&](int i) {
-    ++trials;
-    const auto t0 = Clock::now();
-    const pid_t pid = fork();
-    if (pid == 0) {
-      if (!child_uses_pool) _exit(0);
-      // The child uses the inherited pool: a parallel sum of 2^20 ones, and a submitted task.
-      std::atomic<int64_t> sum{0};
-      pool.ParallelFor(0, kN, kN / 16, [&](int64_t lo, int64_t hi) {
-        int64_t s = 0;
-        for (int64_t k = lo; k < hi; ++k) s += static_cast<int64_t>(x[k]);
-        sum += s;
-      });
-      const int v = pool.Submit([] { return 42; }).get();
-      _exit(sum == kN && v == 42 ? 0 : 1);
-    }
-    if (pid < 0) throw std::runtime_error("fork failed");
-    const int r = WaitBounded(pid, 2000);
-    const double us = Us(Clock::now() - t0);
-    if (r == 2) ++hangs;
-    if (r == 1) ++failures;
-    if (i >= plan.warmup) status += (status.empty() ? "" : ", ") + std::to_string(r);
-    return us;
+  const peers::ForkTrials t = peers::MeasureForkTrials(plan, [&]() -> int {
+    if (!child_uses_pool) return 0;
+    // The child uses the inherited pool: a parallel sum of 2^20 ones, and a submitted task.
+    std::atomic<int64_t> sum{0};
+    pool.ParallelFor(0, kN, kN / 16, [&](int64_t lo, int64_t hi) {
+      int64_t s = 0;
+      for (int64_t k = lo; k < hi; ++k) s += static_cast<int64_t>(x[k]);
+      sum += s;
+    });
+    const int v = pool.Submit([] { return 42; }).get();
+    return sum == kN && v == 42 ? 0 : 1;
   });
   stop = true;
   busy.join();
-  out.Samples(workload, param, 0, plan, samples,
-              {"\"trials\": " + std::to_string(trials), "\"hangs\": " + std::to_string(hangs),
-               "\"failures\": " + std::to_string(failures), "\"status\": [" + status + "]"});
+  out.Samples(workload, param, 0, plan, t.samples, t.extra);
 }
 
 // ---- Breakdowns: where the time goes (docs/peers.md), measured with the same loop -------------
@@ -602,7 +569,7 @@ void IdleFork(const peers::Emitter& out, const peers::Plan& plan, const std::str
     const auto t0 = Clock::now();
     const pid_t pid = fork();
     if (pid == 0) _exit(0);
-    if (pid < 0 || WaitBounded(pid, 2000) != 0) throw std::runtime_error("fork");
+    if (pid < 0 || peers::WaitBounded(pid, 2000) != 0) throw std::runtime_error("fork");
     return Us(Clock::now() - t0);
   });
   out.Samples("bd_fork_idle", param, 0, plan, samples);

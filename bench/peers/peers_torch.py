@@ -9,6 +9,7 @@ torch's defaults are kept: start method "fork" for Queue/Pool work (torch.multip
 is multiprocessing's Pool with torch's reductions), "spawn" for torch.multiprocessing.spawn, and
 the "file_descriptor" sharing strategy.
 """
+import ctypes
 import os
 import statistics
 import threading
@@ -222,10 +223,10 @@ def pool_lifecycle(out, plan):
 
 # ---- 6. Fork while the intra-op thread pool is busy -----------------------------------------------
 
-def busy_fork(out, plan, workaround):
+def busy_fork(out, plan, workaround, param=None):
     """workaround: the child calls torch.set_num_threads(1) before its op, as torch's DataLoader
     workers do (a forked child that enters an OpenMP region its parent's forking thread had used
-    hangs in libgomp: docs/peers.md)."""
+    hangs in libgomp: docs/peers.md). param: the row's name, when not one of those two."""
     torch.set_num_threads(2)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     x, y = torch.randn(1 << 20), torch.randn(1 << 20)
@@ -279,8 +280,24 @@ def busy_fork(out, plan, workaround):
     finally:
         stop.set()
         th.join()
-    out.samples("w6_busy_fork", "child set_num_threads(1)" if workaround else "", 0, plan,
-                samples, **stats)
+    if param is None:
+        param = "child set_num_threads(1)" if workaround else ""
+    out.samples("w6_busy_fork", param, 0, plan, samples, **stats)
+
+
+def load_forksafe():
+    """Loads libforksafe.so (path in PEERS_FORKSAFE_LIB; bench/peers/run.sh builds it) into this
+    process, as a framework that embeds forksafe would. Loading it registers forksafe's at-fork
+    handlers, the OpenMP one among them (runtime/openmp_fork.h): torch's own os.fork() then goes
+    through them. Once loaded it stays, so this is the last variant main() runs."""
+    path = os.environ.get("PEERS_FORKSAFE_LIB", "")
+    if not path:
+        raise RuntimeError("PEERS_FORKSAFE_LIB is not set: point it at libforksafe.so "
+                           "(bazel build //:libforksafe.so)")
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+FORKSAFE_LOADED = "forksafe loaded (libforksafe.so)"
 
 
 def main():
@@ -311,6 +328,10 @@ def main():
         out.guard("w6_busy_fork", "", lambda: busy_fork(out, plans["w6_busy_fork"], False))
         out.guard("w6_busy_fork", "child set_num_threads(1)",
                   lambda: busy_fork(out, plans["w6_busy_fork"], True))
+        # Last: once loaded, forksafe stays in this process.
+        out.guard("w6_busy_fork", FORKSAFE_LOADED,
+                  lambda: (load_forksafe(),
+                           busy_fork(out, plans["w6_busy_fork"], False, FORKSAFE_LOADED)))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 #   bash bench/peers/run.sh
 #
 # 1. installs what is missing (python3-torch, python3-numpy, python3-matplotlib, via apt-get);
-# 2. builds //bench/peers:peers_forksafe and :peers_floor with bazel (-c opt, from .bazelrc);
+# 2. builds //bench/peers:peers_forksafe, :peers_forksafe_openmp, :peers_floor and
+#    //:libforksafe.so with bazel (-c opt, from .bazelrc);
 # 3. records the machine;
 # 4. runs ROUNDS rounds (default 3). Each round: the floor, then the three systems in an order
 #    that rotates from round to round (forksafe, torch, mp / torch, mp, forksafe / ...), then
@@ -45,13 +46,17 @@ fi
 command -v taskset >/dev/null || { log "taskset (util-linux) is needed"; exit 1; }
 
 # ---- 2. build -----------------------------------------------------------------------------------------
-log "building //bench/peers:peers_forksafe //bench/peers:peers_floor"
-bazel build //bench/peers:peers_forksafe //bench/peers:peers_floor
+log "building //bench/peers:peers_forksafe, :peers_forksafe_openmp, :peers_floor, //:libforksafe.so"
+bazel build //bench/peers:peers_forksafe //bench/peers:peers_forksafe_openmp \
+  //bench/peers:peers_floor //:libforksafe.so
 BIN=$(bazel info bazel-bin 2>/dev/null)
 rm -rf "$OUT"
 mkdir -p "$OUT/bin"
 # A private copy: another bazel command in this checkout may rebuild or relink meanwhile.
-cp "$BIN/bench/peers/peers_forksafe" "$BIN/bench/peers/peers_floor" "$OUT/bin/"
+cp "$BIN/bench/peers/peers_forksafe" "$BIN/bench/peers/peers_forksafe_openmp" \
+  "$BIN/bench/peers/peers_floor" "$BIN/libforksafe.so" "$OUT/bin/"
+# torch's workload 6 has a variant with forksafe loaded into the interpreter (peers_torch.py).
+export PEERS_FORKSAFE_LIB="$PWD/$OUT/bin/libforksafe.so"
 T_BUILD=$(( $(date +%s) - T0 ))
 log "built in ${T_BUILD}s"
 
@@ -123,6 +128,10 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
     run floor 30 $(system_cmd floor) "${args[@]}" --only floor_pingpong,floor_futex_pingpong
     log "round $ROUND: $s"
     run "$s" 240 $(system_cmd "$s") "${args[@]}" "${only[@]}"
+    if [ "$s" = forksafe ]; then
+      # Workload 6 with an OpenMP pool: a program of its own (libgomp stays out of the others).
+      run forksafe 60 "$OUT/bin/peers_forksafe_openmp" "${args[@]}" "${only[@]}"
+    fi
   done
   if [ -z "$ONLY" ] || [[ ",$ONLY," == *",w1"* || ",$ONLY," == *",w2"* ]]; then
     log "round $ROUND: workloads 1 and 2 with the processes pinned (same CPU, then apart)"
