@@ -42,6 +42,11 @@ struct Runtime {
   int level = 0;           // the forking thread's omp_get_level()
   bool in_parallel = false;
   int pause_rc = -1;       // omp_pause_resource_all's result, when it was called
+  // A libgomp linked -z nodelete (as GCC builds it) is paused after the walk, outside the
+  // loader's lock (see GnuInWalk); these are its entry points for that.
+  bool pause_after_walk = false;
+  int (*in_parallel_fn)() = nullptr;
+  int (*pause_fn)(int) = nullptr;
 };
 
 struct Found {
@@ -117,19 +122,32 @@ bool Ready(void* fn) {
   return _dl_find_object(fn, &found) == 0;
 }
 
-// libgomp, inside the walk: the loader's list lock is held, so no dlclose can unmap it while it
-// is called. What is called reads this thread's libgomp state, and the pause ends only this
-// thread's idle team (which waits for nothing of the loader's).
-void GnuInWalk(const LoadedObject& object, Runtime* r, bool pause) {
-  void* pause_all = object.Find("omp_pause_resource_all");
-  void* in_parallel = object.Find("omp_in_parallel");
-  r->has_pause = pause_all != nullptr;
-  r->ready = Ready(reinterpret_cast<void*>(r->get_level)) && in_parallel != nullptr;
-  if (!pause || !r->ready) return;
+// Asks a ready libgomp where the forking thread stands, and pauses it when outside any region.
+// The pause ends this thread's idle team: it joins those threads.
+void CallGnu(Runtime* r) {
   r->level = r->get_level();
-  r->in_parallel = reinterpret_cast<int (*)()>(in_parallel)() != 0;
-  if (r->level > 0 || r->in_parallel || pause_all == nullptr) return;
-  r->pause_rc = reinterpret_cast<int (*)(int)>(pause_all)(kOmpPauseHard);
+  r->in_parallel = r->in_parallel_fn() != 0;
+  if (r->level > 0 || r->in_parallel || r->pause_fn == nullptr) return;
+  r->pause_rc = r->pause_fn(kOmpPauseHard);
+}
+
+// libgomp, found by the walk. Where it is called matters. The pause joins the team's threads, and
+// a thread that ends may need the loader's lock (an unwinder without _dl_find_object walks the
+// loaded objects at pthread_exit; the first unwinding pthread_exit of a process dlopens
+// libgcc_s): under the walk's lock that is a deadlock. So a libgomp that dlclose can never unmap
+// (-z nodelete, which GCC's libgomp is) is called after the walk, outside the lock. Only one that
+// dlclose could unmap is called inside the walk, where no dlclose can unmap it meanwhile.
+void GnuInWalk(const LoadedObject& object, Runtime* r, bool pause) {
+  r->pause_fn = reinterpret_cast<int (*)(int)>(object.Find("omp_pause_resource_all"));
+  r->in_parallel_fn = reinterpret_cast<int (*)()>(object.Find("omp_in_parallel"));
+  r->has_pause = r->pause_fn != nullptr;
+  r->ready = Ready(reinterpret_cast<void*>(r->get_level)) && r->in_parallel_fn != nullptr;
+  if (!pause || !r->ready) return;
+  if (object.no_delete()) {
+    r->pause_after_walk = true;
+    return;
+  }
+  CallGnu(r);
 }
 
 // Runs under the loader's dl_load_write_lock: reads symbol tables, and calls a ready libgomp.
@@ -216,8 +234,13 @@ void OtherRuntime(OpenMpForkState& st, const Runtime& r) {
   }
   FirstInFork(st, kCountNotAsked, st.not_asked);
   // Move forksafe's registration behind the runtime's from the next fork on (if it has started
-  // by now; the pool hook and OrderForkHandlersAfterOpenMp() make sure of it).
-  if (o != nullptr && !o->renewed_in_fork.exchange(true)) internal::RenewForkRegistration();
+  // by now; the pool hook and OrderForkHandlersAfterOpenMp() make sure of it). Once per runtime
+  // when it succeeds; a refused renewal (another thread renewing, no slot left) is tried again
+  // at the next fork.
+  if (o != nullptr && !o->renewed_in_fork.load(std::memory_order_acquire) &&
+      internal::RenewForkRegistration() > 0) {
+    o->renewed_in_fork.store(true, std::memory_order_release);
+  }
 }
 
 // What prepare does for one libgomp the walk saw; false: "not yet".
@@ -272,8 +295,11 @@ bool Prepare(const PrepareAttempt& attempt) {
   const uint64_t stamp = internal::LoadedObjectsStamp();
   const bool same = stamp != 0 && stamp == st.walk_stamp;
   if (same && st.walk_count == 0) return true;  // no runtime, nothing loaded since
-  const Found found = same ? Walk(/*pause=*/true, st.walk_paths, st.walk_count)
-                           : Walk(/*pause=*/true);
+  Found found = same ? Walk(/*pause=*/true, st.walk_paths, st.walk_count)
+                     : Walk(/*pause=*/true);
+  for (int i = 0; i < found.count; ++i) {
+    if (found.runtimes[i].pause_after_walk) CallGnu(&found.runtimes[i]);  // see GnuInWalk
+  }
   st.walk_stamp = stamp;
   st.walk_count = found.count;
   std::copy(found.loader_paths, found.loader_paths + found.count, st.walk_paths);
@@ -315,7 +341,11 @@ void InstallOpenMpForkHandler() {
   });
 }
 
-void OrderForkHandlersAfterOpenMp() {
+namespace {
+
+// One ordering pass (OrderForkHandlersAfterOpenMp, and the pool hook with `automatic`). Returns
+// false when something is left to do (a runtime not yet relocated, a renewal refused).
+bool OrderPass(bool automatic) {
   OpenMpForkState& st = StateRef();
   bool nested = true;
   try {
@@ -323,17 +353,43 @@ void OrderForkHandlersAfterOpenMp() {
   } catch (...) {
     // The registry could not be made (pthread_atfork failed): there is nothing to order.
   }
-  if (nested || InForkHandler()) return;
+  if (nested || InForkHandler()) return true;
   const uint64_t stamp = internal::LoadedObjectsStamp();
-  if (stamp != 0 && stamp == st.ordered_stamp.load(std::memory_order_acquire)) return;
-  if (st.ordering_busy.exchange(true, std::memory_order_acquire)) return;  // another thread is
+  if (stamp != 0 && stamp == st.ordered_stamp.load(std::memory_order_acquire)) return true;
+  if (st.ordering_busy.exchange(true, std::memory_order_acquire)) return true;  // another thread is
   const Found found = Walk(/*pause=*/false);
+  // Forget the runtimes that are gone: a runtime loaded again (perhaps at the same address) has
+  // not registered after any of our registrations yet. (One unloaded and loaded again between
+  // two passes keeps its entry: call OrderForkHandlersAfterOpenMp() after loading it again.)
+  for (Ordering& o : st.ordering) {
+    const LevelFn key = o.key.load(std::memory_order_acquire);
+    if (key == nullptr) continue;
+    bool present = false;
+    for (int i = 0; i < found.count; ++i) present = present || found.runtimes[i].get_level == key;
+    if (present) continue;
+    o.at.store(0, std::memory_order_release);
+    o.renewed_in_fork.store(false, std::memory_order_release);
+    o.key.store(nullptr, std::memory_order_release);
+  }
+  int llvm_family = 0;
+  for (int i = 0; i < found.count; ++i) {
+    llvm_family += found.runtimes[i].kind != OpenMpRuntimeKind::kGnu;
+  }
   bool done = true;
   for (int i = 0; i < found.count; ++i) {
     const Runtime& r = found.runtimes[i];
     if (r.kind == OpenMpRuntimeKind::kGnu || r.get_level == nullptr) continue;
+    // Starting one of several LLVM-family runtimes (libomp next to libiomp5) makes it look for
+    // the others, and it aborts the process ("OMP: Error #15") unless KMP_DUPLICATE_LIB_OK is
+    // set: the automatic pass never starts a runtime then; the program's own call does.
+    if (automatic && llvm_family > 1) continue;
     Ordering* o = OrderingOf(st, r.get_level, true);
     if (o == nullptr || o->at.load(std::memory_order_acquire) > 0) continue;
+    // Mid-dlopen on another thread (mapped, not relocated): not callable yet.
+    if (!Ready(reinterpret_cast<void*>(r.get_level))) {
+      done = false;
+      continue;
+    }
     // Starts the runtime if it has not started (it registers its at-fork handlers then), so that
     // the registration made next comes after them.
     (void)r.get_level();
@@ -346,15 +402,23 @@ void OrderForkHandlersAfterOpenMp() {
   }
   if (done) st.ordered_stamp.store(stamp, std::memory_order_release);
   st.ordering_busy.store(false, std::memory_order_release);
+  return done;
 }
+
+}  // namespace
+
+void OrderForkHandlersAfterOpenMp() { (void)OrderPass(/*automatic=*/false); }
 
 namespace internal {
 void OrderForkHandlersAfterOpenMpFromPool() noexcept {
+  // Once a millisecond per worker at most; a pass that leaves something to do (renewals refused:
+  // no slot left, say) backs off, up to about a second.
   thread_local std::chrono::steady_clock::time_point next{};
+  thread_local int backoff = 0;
   const auto now = std::chrono::steady_clock::now();
   if (now < next) return;
-  next = now + std::chrono::milliseconds(1);
-  OrderForkHandlersAfterOpenMp();
+  backoff = OrderPass(/*automatic=*/true) ? 0 : std::min(backoff + 1, 10);
+  next = now + std::chrono::milliseconds(1 << backoff);
 }
 }  // namespace internal
 

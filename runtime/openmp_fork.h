@@ -35,10 +35,15 @@
 //   lists an object from the moment it is mapped, while dlopen on another thread may still be
 //   relocating it, and _dl_find_object (glibc >= 2.35; lock-free) learns of it only after its
 //   relocation; a libgomp not yet relocated has not been used by anyone, so it has no threads
-//   to pause (counted in OpenMpForkStats::not_ready); and (2) from inside the dl_iterate_phdr
-//   walk, whose list lock dlclose needs to unmap an object, so that it cannot vanish while it is
-//   called. Never dlsym, dladdr or dlopen from prepare (the loader's main lock, above). On a
-//   glibc without _dl_find_object no libgomp is called: each fork is then as without forksafe.
+//   to pause (counted in OpenMpForkStats::not_ready); and (2) where it cannot vanish while it is
+//   called: a libgomp linked -z nodelete (GCC's is; dlclose never unmaps it) after the walk,
+//   outside the loader's lock, since the pause joins the team's threads and a thread that ends
+//   may need that lock (an unwinder without _dl_find_object walks the loaded objects at
+//   pthread_exit; the first unwinding pthread_exit of a process dlopens libgcc_s): joining it
+//   under the lock would deadlock; any other libgomp from inside the dl_iterate_phdr walk, whose
+//   list lock dlclose needs to unmap an object. Never dlsym, dladdr or dlopen from prepare (the
+//   loader's main lock, above). On a glibc without _dl_find_object no libgomp is called: each
+//   fork is then as without forksafe.
 // Guarantees
 //   - libgomp: in prepare, on the forking thread, omp_pause_resource_all(omp_pause_hard). The
 //     child runs regions (with fresh threads), and so does the parent. Another thread that is
@@ -97,7 +102,16 @@
 //     of a HoldAcrossFork mutex) waits until the deadline, and a fork from inside one of its
 //     regions is not detected. forksafe orders itself at that fork, for the next ones.
 //   - An Intel libiomp5 unloaded (dlclose) by another thread during a fork is not handled
-//     (LLVM's libomp is never unloaded: it is linked NODELETE).
+//     (LLVM's libomp is never unloaded: it is linked NODELETE). A runtime unloaded and loaded
+//     again between two ordering passes keeps its old ordering: call
+//     OrderForkHandlersAfterOpenMp() after loading it again.
+//   - With more than one LLVM-family runtime loaded (libomp next to libiomp5), the pool workers'
+//     automatic ordering starts none of them: starting one makes it look for the others and
+//     abort the process ("OMP: Error #15") unless KMP_DUPLICATE_LIB_OK is set. A program that
+//     uses one of them calls OrderForkHandlersAfterOpenMp() itself (that call starts them all).
+//   - On a glibc older than 2.36 a renewal waits for a fork running on another thread (glibc
+//     holds its at-fork lock across the whole fork there): a pool worker renewing while a fork
+//     drains its pool stalls that fork until the drain deadline.
 //   - Pausing costs the forking thread's next region in the parent the start of its threads
 //     again (about as much as the process's first region).
 #ifndef FORKSAFE_RUNTIME_OPENMP_FORK_H_

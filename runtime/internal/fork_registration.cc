@@ -35,11 +35,14 @@ void PrepareAt() {
 
 void AfterFork(const std::atomic<ForkCallback>& callback, bool child) {
   if (++t_posts < t_prepares) return;
-  if (ForkCallback cb = callback.load(std::memory_order_acquire)) cb();
+  // This fork is over for the counters before the callback runs: a fork made from inside it (a
+  // ForkReport listener that forks, say) is then a fork of its own, handled in full, and a
+  // callback that throws leaves nothing behind.
   t_prepares = t_posts = 0;
   t_acting = -1;
   // A renewal that another thread was making at the fork does not exist in the child.
   if (child) g_renewing.store(false, std::memory_order_relaxed);
+  if (ForkCallback cb = callback.load(std::memory_order_acquire)) cb();
 }
 
 template <int N>
@@ -63,14 +66,15 @@ constexpr auto MakeTrios(std::index_sequence<N...>) {
 }
 constexpr auto kTrios = MakeTrios(std::make_index_sequence<kMaxForkRegistrations>{});
 
-// glibc 2.35 and later release the at-fork list's lock while a handler runs, so that a handler
-// may register another (which the running fork then skips); older ones deadlock.
+// glibc 2.36 and later release the at-fork list's lock while a handler runs, so that a handler
+// may register another (which the running fork then skips; glibc bugs 27054 and 24595, fixed in
+// 2.36); older ones deadlock with several threads, or run the new one in the same fork.
 bool CanRegisterInsideAFork() {
   const char* v = gnu_get_libc_version();
   char* end = nullptr;
   const long major = std::strtol(v, &end, 10);
   const long minor = (end != nullptr && *end == '.') ? std::strtol(end + 1, nullptr, 10) : 0;
-  return major > 2 || (major == 2 && minor >= 35);
+  return major > 2 || (major == 2 && minor >= 36);
 }
 
 }  // namespace
@@ -91,10 +95,15 @@ int RenewForkRegistration() {
   if (g_renewing.exchange(true, std::memory_order_acquire)) return 0;  // another thread is
   const int number = g_count.load(std::memory_order_acquire);
   int made = 0;
-  if (number < kMaxForkRegistrations &&
-      pthread_atfork(kTrios[number].prepare, kTrios[number].parent, kTrios[number].child) == 0) {
+  if (number < kMaxForkRegistrations) {
+    // The number is taken before the registration is made: a child forked in between has a
+    // count that covers it (at worst a number without a registration, a harmless gap), never a
+    // registration whose number its next renewal would use again.
     g_count.store(number + 1, std::memory_order_release);
-    made = number;
+    if (pthread_atfork(kTrios[number].prepare, kTrios[number].parent, kTrios[number].child) ==
+        0) {
+      made = number;
+    }
   }
   g_renewing.store(false, std::memory_order_release);
   return made;

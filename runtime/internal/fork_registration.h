@@ -18,10 +18,10 @@
 //     is prepared once and finished once per fork, outermost around every handler registered
 //     before that registration, as one registration would be.
 //   - A registration made while a fork runs (from its prepare, or on another thread) takes part
-//     from the next fork on (glibc >= 2.35 skips it, in all three phases, for the fork running).
+//     from the next fork on (glibc >= 2.36 skips it, in all three phases, for the fork running).
 //   - Bounded: at most kMaxForkRegistrations registrations per process; a further renewal is
 //     refused (returns 0). Forked children inherit the registrations.
-//   - RenewForkRegistration may be called from inside a prepare callback only on glibc >= 2.35,
+//   - RenewForkRegistration may be called from inside a prepare callback only on glibc >= 2.36,
 //     which releases its at-fork list lock while a handler runs; on an older glibc it refuses
 //     there (returns 0) instead of deadlocking.
 //

@@ -56,6 +56,7 @@ struct LoadedObjectAccess {
           break;
         case DT_HASH: o->sysv_hash_ = reinterpret_cast<const uint32_t*>(at(dyn->d_un.d_ptr)); break;
         case DT_VERSYM: o->versym_ = reinterpret_cast<const uint16_t*>(at(dyn->d_un.d_ptr)); break;
+        case DT_FLAGS_1: o->no_delete_ = (dyn->d_un.d_val & DF_1_NODELETE) != 0; break;
         default: break;
       }
     }

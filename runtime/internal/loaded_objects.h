@@ -60,6 +60,9 @@ class LoadedObject {
   void* Find(const char* symbol) const;
   /// Whether `address` lies in one of the object's loaded (PT_LOAD) segments.
   bool Contains(const void* address) const;
+  /// Whether the object was linked with -z nodelete (DF_1_NODELETE): dlclose never unmaps it,
+  /// so its code stays callable after the walk that found it.
+  bool no_delete() const { return no_delete_; }
 
  private:
   friend struct LoadedObjectAccess;
@@ -72,6 +75,7 @@ class LoadedObject {
   const uint32_t* gnu_hash_ = nullptr;
   const uint32_t* sysv_hash_ = nullptr;
   const uint16_t* versym_ = nullptr;
+  bool no_delete_ = false;
 };
 
 /// Calls `visit(object, context)` for each loaded object, in load order, until it returns

@@ -107,5 +107,43 @@ TEST(ForkRegistrationTest, RenewalPutsTheRegistryInFrontOfALaterLibraryOncePerFo
   EXPECT_EQ(g_acting.load(), internal::kMaxForkRegistrations - 1);
 }
 
+// A fork made from inside the acting registration's parent phase (here from the registry's
+// event listener, which runs after the registry is unlocked) is a fork of its own: its prepare
+// runs, and the outer fork's parent callbacks run once. Before the counters were reset ahead of
+// the callback, the inner fork's prepare was skipped and its parent phase ran the registry's
+// parent callbacks a second time.
+TEST(ForkRegistrationTest, AForkFromTheParentPhaseIsAForkOfItsOwn) {
+  static std::atomic<int> prepares{0}, parents{0}, inner_ok{-1};
+  static std::atomic<bool> report_once{false};
+  int tag;
+  AtForkHandler h;
+  h.name = "listener_fork_counter";
+  h.prepare = [](const PrepareAttempt&) {
+    ++prepares;
+    // Makes the outer fork's report unclean, so that the listener runs for it.
+    if (report_once.exchange(false)) {
+      AtForkRegistry::ReportEvent(ForkEventKind::kSubsystemUnusable, "listener_fork_counter",
+                                  "makes the report unclean on purpose");
+    }
+    return true;
+  };
+  h.parent = [](bool) { ++parents; };
+  AtForkRegistration reg(&tag, std::move(h));
+  std::atomic<int> listener_calls{0};
+  AtForkRegistry::Get().SetEventListener([&listener_calls](const ForkReport&) {
+    if (listener_calls++ != 0) return;
+    const ChildResult inner = RunInChild([] { return 0; }, 20s, 20);
+    inner_ok = inner.ok() ? 1 : 0;
+  });
+  report_once = true;
+  const ChildResult outer = RunInChild([] { return 0; }, 20s, 20);
+  AtForkRegistry::Get().SetEventListener(nullptr);
+  EXPECT_TRUE(outer.ok()) << outer.Describe();
+  EXPECT_EQ(inner_ok.load(), 1);
+  EXPECT_EQ(prepares.load(), 2) << "the fork made from the listener was not prepared";
+  EXPECT_EQ(parents.load(), 2) << "parent callbacks ran " << parents.load()
+                               << " times for 2 forks";
+}
+
 }  // namespace
 }  // namespace forksafe::runtime
