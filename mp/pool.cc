@@ -24,6 +24,7 @@
 #include "forksafe/mp/internal/shm_sync.h"
 #include "forksafe/runtime/cpu_budget.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/loaded_objects.h"
 
 namespace forksafe::mp {
 
@@ -251,17 +252,10 @@ uint64_t ModuleOffset(const void* addr) {
   dl_iterate_phdr(
       [](dl_phdr_info* info, size_t, void* data) -> int {
         auto* s = static_cast<Search*>(data);
-        for (int i = 0; i < info->dlpi_phnum; ++i) {
-          const ElfW(Phdr)& ph = info->dlpi_phdr[i];
-          if (ph.p_type != PT_LOAD) continue;
-          const uintptr_t lo = info->dlpi_addr + ph.p_vaddr;
-          if (s->addr >= lo && s->addr < lo + ph.p_memsz) {
-            s->bias = info->dlpi_addr;
-            s->found = true;
-            return 1;
-          }
-        }
-        return 0;
+        if (!runtime::internal::SegmentsHold(*info, s->addr, 1)) return 0;
+        s->bias = info->dlpi_addr;
+        s->found = true;
+        return 1;
       },
       &s);
   return s.found ? s.addr - s.bias : s.addr;

@@ -376,6 +376,7 @@ bool AtForkRegistry::PrepareRound(PrepareAttempt attempt, Clock::time_point cap,
   for (Entry& e : entries_) e.prepared = false;  // entries may have been added since the last
   for (size_t i = entries_.size(); i-- > 0;) {
     Entry& e = entries_[i];
+    if (e.retired) continue;  // never called again (AtForkRegistration)
     bool ok = true;
     if (e.handler.prepare) {
       attempt.wait_until = attempt.last ? attempt.deadline
@@ -420,7 +421,7 @@ void AtForkRegistry::RollBack(size_t from) {
   t_rolling_back = true;
   for (size_t j = from; j < entries_.size(); ++j) {
     Entry& done = entries_[j];
-    if (!done.prepared) continue;
+    if (!done.prepared || done.retired) continue;
     done.prepared = false;
     RunQuietly(done.handler.parent, true, done.handler.name, "roll-back (parent)");
   }
@@ -467,7 +468,10 @@ void AtForkRegistry::FinishParent() noexcept {
     }
   }
   framework_lock_taken_ = false;
-  for (Entry& e : entries_) RunQuietly(e.handler.parent, e.prepared, e.handler.name, "parent");
+  for (Entry& e : entries_) {
+    if (!e.retired) RunQuietly(e.handler.parent, e.prepared, e.handler.name, "parent");
+  }
+  DropRetired();
   ++fork_count_;
   last_ = std::move(current_);  // no allocation: cannot throw
   t_in_handler = false;
@@ -504,7 +508,10 @@ void AtForkRegistry::Child() noexcept {
     // A custom lock that throws in the child: the registry must still be unlocked below.
   }
   framework_lock_taken_ = false;
-  for (Entry& e : entries_) RunQuietly(e.handler.child, e.prepared, e.handler.name, "child");
+  for (Entry& e : entries_) {
+    if (!e.retired) RunQuietly(e.handler.child, e.prepared, e.handler.name, "child");
+  }
+  DropRetired();
   // Objects on the stacks of threads that do not exist here: glibc hands those stacks to the
   // child's next threads, so the objects' memory is about to be reused. Their child callbacks
   // just ran on intact memory; no later fork of this process may touch them again.
@@ -549,10 +556,37 @@ AtForkRegistration::AtForkRegistration(const void* handle, AtForkHandler handler
 
 AtForkRegistration::~AtForkRegistration() {
   try {
-    AtForkRegistry::Get().Unregister(handle_);
+    AtForkRegistry& registry = AtForkRegistry::Get();
+    if (t_in_handler) {
+      // Inside a fork callback this thread holds the registry: retire the handler instead.
+      registry.RetireInsideFork(handle_);
+      return;
+    }
+    registry.Unregister(handle_);
   } catch (...) {
-    // Unregistering from inside a handler: nothing sensible to do in a destructor.
+    // Already unregistered (kNotFound; a forked child forgets some handles by itself).
   }
+}
+
+// On the forking thread, inside a callback: it holds mu_, and the registry is iterating
+// entries_, so the entry is only marked (DropRetired removes it when the fork's phase ends).
+void AtForkRegistry::RetireInsideFork(const void* handle) noexcept {
+  for (Entry& e : entries_) {
+    if (e.handle != handle || e.retired) continue;
+    e.retired = true;
+    ReportEvent(ForkEventKind::kHandlerThrew, e.handler.name,
+                "its AtForkRegistration was destroyed inside a fork callback, where the registry "
+                "cannot unregister it: the handler is not called again and is removed when this "
+                "fork ends. Destroy registrations before fork() or after it returns");
+    return;
+  }
+}
+
+// Removes retired entries; mu_ held, no callback running.
+void AtForkRegistry::DropRetired() noexcept {
+  entries_.erase(std::remove_if(entries_.begin(), entries_.end(),
+                                [](const Entry& e) { return e.retired; }),
+                 entries_.end());
 }
 
 DefaultFrameworkLock& internal_default_framework_lock() {

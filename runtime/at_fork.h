@@ -278,6 +278,9 @@ class alignas(1024) AtForkRegistry {
     bool prepared = false;
     bool on_owner_stack = false;  // handle lies on the registering thread's stack or static TLS
     pthread_t owner{};            // the registering thread (meaningful with on_owner_stack)
+    // Its AtForkRegistration was destroyed inside a fork callback, where the registry cannot
+    // unregister it: never called again, and removed when that fork ends.
+    bool retired = false;
   };
 
   AtForkRegistry();
@@ -293,6 +296,9 @@ class alignas(1024) AtForkRegistry {
   void Parent();
   void Child() noexcept;
   void CheckNotInHandler(const char* what) const;
+  void RetireInsideFork(const void* handle) noexcept;
+  void DropRetired() noexcept;
+  friend class AtForkRegistration;
   friend struct NestedCopy;  // a copy nested in another's registry (internal/nested_copy.cc)
 
   mutable std::mutex mu_;  // guards everything below; held from prepare to parent/child
@@ -310,7 +316,11 @@ class alignas(1024) AtForkRegistry {
   friend DefaultFrameworkLock& internal_default_framework_lock();
 };
 
-/// RAII registration: registers in the constructor, unregisters in the destructor.
+/// RAII registration: registers in the constructor, unregisters in the destructor. Destroyed
+/// inside a fork callback (where the registry is locked and cannot unregister), it retires its
+/// handler instead: the handler is not called again, is removed when that fork ends, and the
+/// fork's report carries ForkEventKind::kHandlerThrew saying so (a misuse: destroy registrations
+/// before fork() or after it returns).
 class AtForkRegistration {
  public:
   AtForkRegistration(const void* handle, AtForkHandler handler);

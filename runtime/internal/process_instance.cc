@@ -102,17 +102,6 @@ bool LookForPrimary(const LoadedObject& object, void* context) {
   return e->primary == nullptr;  // go on until one is found
 }
 
-// Whether [start, start + size) lies inside one of the object's loaded segments.
-bool Mapped(const dl_phdr_info* info, uintptr_t start, size_t size) {
-  for (int i = 0; i < info->dlpi_phnum; ++i) {
-    const ElfW(Phdr)& ph = info->dlpi_phdr[i];
-    if (ph.p_type != PT_LOAD) continue;
-    const uintptr_t lo = info->dlpi_addr + ph.p_vaddr;
-    if (start >= lo && start + size <= lo + ph.p_memsz) return true;
-  }
-  return false;
-}
-
 // For each loaded object (load order): the tables its notes point at (copies whose symbol is
 // hidden), until one this copy can nest in is found. Runs under dl_load_write_lock as well.
 int LookForPrimaryInNotes(dl_phdr_info* info, size_t, void* context) {
@@ -121,7 +110,7 @@ int LookForPrimaryInNotes(dl_phdr_info* info, size_t, void* context) {
     const ElfW(Phdr)& ph = info->dlpi_phdr[i];
     if (ph.p_type != PT_NOTE) continue;
     const uintptr_t start = info->dlpi_addr + ph.p_vaddr;
-    if (!Mapped(info, start, ph.p_memsz)) continue;
+    if (!SegmentsHold(*info, start, ph.p_memsz)) continue;
     const size_t align = ph.p_align == 8 ? 8 : 4;
     auto up = [align](size_t n) { return (n + align - 1) & ~(align - 1); };
     for (uintptr_t at = start; at + sizeof(ElfW(Nhdr)) <= start + ph.p_memsz;) {
@@ -136,7 +125,7 @@ int LookForPrimaryInNotes(dl_phdr_info* info, size_t, void* context) {
         int64_t offset = 0;
         memcpy(&offset, reinterpret_cast<const void*>(desc), sizeof offset);
         const uintptr_t table = desc + static_cast<uintptr_t>(offset);
-        if (Mapped(info, table, sizeof(forksafe_instance_v1))) {
+        if (SegmentsHold(*info, table, sizeof(forksafe_instance_v1))) {
           e->primary = Primary(reinterpret_cast<const void*>(table), e->self);
           if (e->primary != nullptr) return 1;  // stop the walk
         }

@@ -369,5 +369,40 @@ TEST_F(AtForkTest, ForkGenerationCountsDownTheLineage) {
   EXPECT_EQ(AtForkRegistry::Get().fork_count(), forks_before + 1);
 }
 
+// An AtForkRegistration destroyed inside a fork callback (here its own prepare) cannot be
+// unregistered there, the registry being locked: its handler is retired, never called again,
+// removed when the fork ends, and the misuse is in the fork's report. Before, the destructor
+// swallowed the error and the next fork called the destroyed registration's handler again.
+TEST_F(AtForkTest, ARegistrationDestroyedInsideAForkCallbackIsRetiredAndReported) {
+  static std::atomic<int> prepares{0}, parents{0};
+  static AtForkRegistration* reg = nullptr;
+  static int tag;
+  AtForkHandler h;
+  h.name = "self_destroying";
+  h.prepare = [](const PrepareAttempt&) {
+    ++prepares;
+    delete reg;
+    reg = nullptr;
+    return true;
+  };
+  h.parent = [](bool) { ++parents; };
+  h.child = [](bool) { _exit(7); };  // never called: retired before the child phase
+  reg = new AtForkRegistration(&tag, std::move(h));
+  auto first = RunInChild([] { return 0; }, 20s);
+  EXPECT_TRUE(first.ok()) << first.Describe();
+  const ForkReport r = AtForkRegistry::Get().LastReport();
+  bool reported = false;
+  for (const ForkEvent& e : r.events) {
+    reported = reported || (e.kind == ForkEventKind::kHandlerThrew &&
+                            e.subsystem == "self_destroying");
+  }
+  EXPECT_TRUE(reported) << r.ToString();
+  EXPECT_EQ(parents.load(), 0) << "a retired handler's parent callback ran";
+  EXPECT_FALSE(AtForkRegistry::Get().IsRegistered(&tag));
+  auto second = RunInChild([] { return 0; }, 20s);
+  EXPECT_TRUE(second.ok()) << second.Describe();
+  EXPECT_EQ(prepares.load(), 1) << "the destroyed registration's handler ran again";
+}
+
 }  // namespace
 }  // namespace forksafe::runtime
