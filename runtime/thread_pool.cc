@@ -176,6 +176,14 @@ int ReapExitedLocked(PoolState* s, std::unique_lock<std::mutex>& lk,
   return static_cast<int>(later.size());
 }
 
+// Workers that left their loop and whose threads are not joined yet: listed, or being joined by
+// another thread. Requires s->mu held.
+int LeftNotJoinedLocked(const PoolState* s) {
+  int n = s->joining;
+  for (const PoolState::Worker& w : s->workers) n += w.exited ? 1 : 0;
+  return n;
+}
+
 // The registry's fork-entry hooks (runtime/internal/fork_entry.h): a worker inside fork(), waiting
 // for another thread's fork, is not waited for by that fork's drain.
 void OnForkEntering() {
@@ -279,7 +287,12 @@ void ThreadPool::Post(std::function<void()> fn) {
   PoolState* s = State();
   std::unique_lock<std::mutex> lk(s->mu);
   // Workers that left at a fork and could not be joined then: every listed worker is live or left.
-  if (s->workers.size() > static_cast<size_t>(s->live)) ReapExitedLocked(s, lk);
+  // Joined only if their threads have ended: a thread still in its thread_local destructors may
+  // wait for a lock this caller holds, and an unbounded join here would deadlock. The others
+  // stay listed for a later Post, a fork's drain or the destructor.
+  if (s->workers.size() > static_cast<size_t>(s->live)) {
+    ReapExitedLocked(s, lk, std::chrono::steady_clock::now());
+  }
   if (s->stopping) {
     throw Error(ErrorCode::kFailedPrecondition,
                 absl::StrCat("pool \"", options_.name, "\" is being destroyed; no new tasks"));
@@ -472,9 +485,14 @@ bool ThreadPool::PrepareFork(const PrepareAttempt& attempt) {
   // those joins as well, with the same bound.
   const auto join_until =
       std::max(wait_until, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
-  int still_exiting = ReapExitedLocked(s, lk, join_until);
-  if (s->joining > 0) s->drain_cv.wait_until(lk, join_until, [s] { return s->joining == 0; });
-  still_exiting += s->joining;
+  // A Post joins with a poll only and lists again the threads that have not ended: reap those
+  // too once its join is over, or this drain would count them as gone.
+  ReapExitedLocked(s, lk, join_until);
+  while (s->joining > 0 &&
+         s->drain_cv.wait_until(lk, join_until, [s] { return s->joining == 0; })) {
+    ReapExitedLocked(s, lk, join_until);
+  }
+  const int still_exiting = LeftNotJoinedLocked(s);
   if (drained && still_exiting == 0) {
     drained_this_fork_ = true;
     return true;
