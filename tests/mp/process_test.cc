@@ -172,8 +172,8 @@ TEST_P(ProcessTest, ChildrenDieWhenTheirParentIsKilled) {
     }
     EXPECT_TRUE(gone) << "child " << pid << " outlived its parent";
   }
-  const auto took = std::chrono::steady_clock::now() - t0;
-  EXPECT_LT(took, 1s) << "children must be gone within a second";
+  // The bound above (5 s) is a watchdog, not a speed target: a loaded CI machine may take a while
+  // to schedule the death signal's delivery.
   // Reap anything else we adopted (the fork server of the middle process).
   while (waitpid(-1, nullptr, WNOHANG) > 0) {
   }
