@@ -321,7 +321,25 @@ void AtForkRegistry::OnChild() {
   if (!g_bypass.load(std::memory_order_relaxed)) Get().Child();
 }
 
+namespace {
+
+// A framework lock that the forking thread holds may let go of it for the prepare
+// (FrameworkLock::SuspendForPrepare: the GIL does), so that tasks being drained can take it;
+// TakeFrameworkLock takes it back last. Before this thread waits for anything: a fork that
+// another thread is making may be waiting for that lock.
+void SuspendHeldFrameworkLock() noexcept {
+  try {
+    FrameworkLock& fl = GetFrameworkLock();
+    if (fl.HeldByCurrentThread()) fl.SuspendForPrepare();
+  } catch (...) {
+    // A custom lock that throws keeps its holding; TakeFrameworkLock reports what follows.
+  }
+}
+
+}  // namespace
+
 void AtForkRegistry::Prepare() {
+  SuspendHeldFrameworkLock();
   // A worker of a pool (of this copy or of a copy nested in it) that waits here for another
   // thread's fork must not be waited for by that fork's drain (runtime/internal/fork_entry.h).
   // The same copies get `entered` as got `entering`, even if one nests meanwhile.

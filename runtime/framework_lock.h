@@ -18,8 +18,9 @@
 //
 // Hazards
 //   - A pool task that waits for this lock while the forking thread holds it cannot finish before
-//     the fork: the pool's drain then runs into its deadline. Do not hold the framework lock while
-//     waiting for pool tasks that need it.
+//     the fork (unless the lock lets go of it for the prepare: SuspendForPrepare): the pool's
+//     drain then runs into its deadline. Do not hold the framework lock while waiting for pool
+//     tasks that need it.
 //   - SetFrameworkLock() must be called before other threads use the lock, and the supplied lock
 //     must outlive every fork of the process.
 #ifndef FORKSAFE_RUNTIME_FRAMEWORK_LOCK_H_
@@ -50,6 +51,15 @@ class FrameworkLock {
   /// Rebuild any internal mutex another thread may have held at the fork; keep the lock held if
   /// the calling thread holds it, and make it free if a thread that does not exist here held it.
   virtual void ResetInChild() = 0;
+  /// Called by the registry on the forking thread when that thread holds the lock as the fork
+  /// begins, before any subsystem is prepared (and before waiting for another thread's fork).
+  /// A lock that tasks being drained may need lets go of it here and returns true; TryLockFor
+  /// then takes it back, last, after every subsystem is quiet, and must restore exactly the
+  /// holding the thread had (the fork returns to a caller that still holds it). The default
+  /// keeps holding it (false): a critical section of the forking thread is never opened to
+  /// other threads mid-way. Python's GIL lets go (python/gil_lock.h): a pool task that waits for
+  /// the GIL while os.fork() holds it then finishes instead of running into the drain deadline.
+  virtual bool SuspendForPrepare() { return false; }
 };
 
 /// The default framework lock: recursive, owner-tracking, timed.

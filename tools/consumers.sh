@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Builds and runs the three consumers of examples/consumers/ against this checkout, the ways a
-# user consumes the package (docs/building.md, "The package"):
+# Builds and runs the four consumers of examples/consumers/ against this checkout, the ways a
+# user consumes the package (docs/building.md, "The package"; docs/python.md):
 #   cmake       tools/install.sh into a temporary prefix, then find_package(forksafe CONFIG)
 #   pkg-config  the same install, then g++ $(pkg-config --cflags --libs forksafe)
 #   bazel       an outside workspace: local_repository + forksafe_dependencies(), @forksafe//:forksafe
-# Each builds examples/consumers/framework.cc and runs it (it exits non-zero on any mismatch).
-# Prints one line per consumer, then "consumers: N/3 ok in S s"; exits non-zero if any failed.
+#   python      the same install, then /usr/bin/python3 examples/consumers/python/framework.py
+# Each C++ one builds examples/consumers/framework.cc and runs it (it exits non-zero on any
+# mismatch). Prints one line per consumer, then "consumers: N/4 ok in S s"; exits non-zero if any
+# failed.
 # The temporary prefix is removed and the outside workspace's Bazel server stopped at the end,
 # also on failure. That workspace builds forksafe again (fastbuild) in its own output base,
 # kept in $FORKSAFE_CONSUMER_OUTPUT_BASE (default ~/.cache/forksafe-consumer) so that a re-run is
@@ -73,11 +75,18 @@ if bash tools/install.sh --prefix "$prefix" >"$install_log" 2>&1; then
   build_and_run pkg-config "$work/pkg-config/framework" \
     bash -c "mkdir -p '$work/pkg-config' &&
              bash examples/consumers/pkg-config/build.sh '$work/pkg-config/framework'"
+
+  # Nothing to build: the install holds the extension. The "binary" runs the program.
+  printf '#!/bin/sh\nexec /usr/bin/python3 "%s/examples/consumers/python/framework.py" "%s"\n' \
+    "$root" "$prefix" > "$work/python-consumer"
+  chmod +x "$work/python-consumer"
+  build_and_run python "$work/python-consumer" true
 else
   echo "tools/install.sh --prefix $prefix failed; the end of its log:"
   tail -n 40 "$install_log" | sed 's/^/    /'
   report cmake 1 0 0 /dev/null
   report pkg-config 1 0 0 /dev/null
+  report python 1 0 0 /dev/null
 fi
 
 # The outside Bazel workspace needs no install: it builds forksafe from this checkout.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds libforksafe.so (optimized) and installs it with its headers, a CMake package and a
-# pkg-config file (docs/building.md, "The package").
+# Builds libforksafe.so (optimized) and installs it with its headers, a CMake package, a
+# pkg-config file and the Python package for /usr/bin/python3 (docs/building.md, "The package";
+# docs/python.md).
 #   bash tools/install.sh [--prefix DIR]        (default /usr/local; as root for system prefixes)
 # Installs the Debian packages it needs first (tools/install_deps.sh). Safe to re-run over an
 # earlier install: the library of this version and the symlinks are replaced, and the headers and
@@ -36,13 +37,16 @@ version="$major.$minor.$patch"
 tmp_files=()
 trap 'rm -f "${tmp_files[@]}"' EXIT
 build_log="$(mktemp)"; tmp_files+=("$build_log")
-echo "forksafe: building //:libforksafe.so $version (optimized)"
+echo "forksafe: building //:libforksafe.so and //python:_forksafe.so $version (optimized)"
 build_status=0
-bazel build --compilation_mode=opt //:libforksafe.so >"$build_log" 2>&1 || build_status=$?
+bazel build --compilation_mode=opt //:libforksafe.so //python:_forksafe.so >"$build_log" 2>&1 ||
+  build_status=$?
 grep -v "linux-sandbox" "$build_log" || true
-built="$(bazel info --compilation_mode=opt bazel-bin 2>/dev/null)/libforksafe.so"
-if [ "$build_status" -ne 0 ] || [ ! -f "$built" ]; then
-  echo "install.sh: the build of //:libforksafe.so failed (output above)" >&2
+bin="$(bazel info --compilation_mode=opt bazel-bin 2>/dev/null)"
+built="$bin/libforksafe.so"
+built_ext="$bin/python/_forksafe.so"
+if [ "$build_status" -ne 0 ] || [ ! -f "$built" ] || [ ! -f "$built_ext" ]; then
+  echo "install.sh: the build of //:libforksafe.so or //python:_forksafe.so failed (output above)" >&2
   exit 1
 fi
 
@@ -184,6 +188,15 @@ ${pc_requires:+Requires:$pc_requires
 Cflags: -I\${includedir} -pthread
 EOF
 
+# The Python package, for Debian's /usr/bin/python3 (3.11): <prefix>/lib/python3.11/dist-packages
+# is on its path for the prefixes /usr/local and /usr; the extension finds libforksafe.so.$major
+# through its RUNPATH ($ORIGIN/../../.. is <prefix>/lib).
+pydir="$libdir/python3.11/dist-packages/forksafe"
+rm -rf "$pydir"
+mkdir -p "$pydir"
+(cd python/forksafe && find . -name '*.py' -exec install -m 644 -D {} "$pydir/{}" \;)
+install -m 755 "$built_ext" "$pydir/_forksafe.so"
+
 # A prefix on the dynamic loader's default path: refresh its cache so libforksafe.so.$major is
 # found at once.
 if [ "$(id -u)" -eq 0 ] && { [ "$libdir" = /usr/local/lib ] || [ "$libdir" = /usr/lib ]; }; then
@@ -198,5 +211,6 @@ forksafe $version installed in $prefix:
   $incdir/forksafe/  (${#headers[@]} headers: the public ones and the internal ones they include)
   $cmakedir/forksafeConfig.cmake, forksafeConfigVersion.cmake  (find_package(forksafe CONFIG); target forksafe::forksafe)
   $pcdir/forksafe.pc  (pkg-config --cflags --libs forksafe)
+  $pydir/  (the Python package: /usr/bin/python3 -c 'import forksafe'; for a prefix other than /usr/local and /usr, with PYTHONPATH=$libdir/python3.11/dist-packages)
   other libraries' headers included by forksafe's:${third_party:- none}
 EOF

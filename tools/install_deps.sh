@@ -18,6 +18,12 @@ PACKAGES=(
   libomp-dev         # LLVM's OpenMP runtime: //tests/runtime:openmp_dlopen_llvm_test
   cmake              # tools/install.sh (the CMake package's version file), tools/consumers.sh
   pkgconf            # pkg-config: tools/consumers.sh builds a consumer with it
+  python3            # /usr/bin/python3 (3.11): the Python package (//python) and its tests
+  libpython3.11-dev  # Python.h, for the extension forksafe._forksafe
+  pybind11-dev       # pybind11 2.10, the extension's binding library
+  python3-pytest     # runs python/tests (python/run_pytest.sh)
+  python3-numpy      # numpy arrays across forksafe (the Python package)
+  python3-torch      # torch 1.13: the Python package's torch tests, openmp_torch_test, bench/peers
 )
 
 missing=()

@@ -6,7 +6,7 @@
 # and the summary line counts every run (CI does this). With FORKSAFE_SOAK_SCALE=0.1 the soak
 # tests (tests/soak, tagged manual; see tools/soak.sh) run too, at that fraction of full size;
 # with FORKSAFE_FUZZ_SECONDS=30 each fuzz target (tools/fuzz.sh) runs 30 s. After the plain
-# suite, the package's three consumers are built and run (tools/consumers.sh; each counts as one
+# suite, the package's four consumers are built and run (tools/consumers.sh; each counts as one
 # test); FORKSAFE_CONSUMERS=0 skips them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +51,10 @@ while read -r target result _; do
   if [ "$result" = "FAILED_TO_BUILD" ] || [ "$result" = "NO" ]; then xml=/nonexistent; fi
   if [ -f "$xml" ]; then
     head_line="$(grep -m1 '<testsuites' "$xml" || true)"
+    # pytest's JUnit XML (python/run_pytest.sh) carries the counts on <testsuite> instead.
+    if ! grep -q ' tests="' <<<"$head_line"; then
+      head_line="$(grep -o -m1 '<testsuite [^>]*>' "$xml" | sed 's/<testsuite /<testsuites /' || true)"
+    fi
     t="$(sed -n 's/.*<testsuites[^>]* tests="\([0-9]*\)".*/\1/p' <<<"$head_line")"; t=${t:-0}
     f="$(sed -n 's/.*<testsuites[^>]* failures="\([0-9]*\)".*/\1/p' <<<"$head_line")"; f=${f:-0}
     e="$(sed -n 's/.*<testsuites[^>]* errors="\([0-9]*\)".*/\1/p' <<<"$head_line")"; f=$((f + ${e:-0}))
@@ -74,11 +78,14 @@ done < <(grep -E '^//[^ ]+ +(\(cached\) +)?(PASSED|FAILED|TIMEOUT|FLAKY|INCOMPLE
          | sed -E 's/\(cached\) +//; s/FAILED TO BUILD/FAILED_TO_BUILD/; s/NO STATUS/NO/')
 }
 
-run_suite "$@"
+# The plain run includes the Python package's tests (//python:python_test, manual: pytest with
+# /usr/bin/python3 on the extension built against libforksafe.so; python/BUILD.bazel says why
+# the sanitizer runs leave it out).
+targets="//... //python:python_test" run_suite "$@"
 
-# The package's three consumers (tools/consumers.sh: CMake and pkg-config from an install into a
-# temporary prefix, and an outside Bazel workspace) each build and run
-# examples/consumers/framework.cc; each counts as one test. FORKSAFE_CONSUMERS=0 skips them.
+# The package's four consumers (tools/consumers.sh: CMake, pkg-config and Python from an install
+# into a temporary prefix, and an outside Bazel workspace) each build and run a program of
+# examples/consumers/; each counts as one test. FORKSAFE_CONSUMERS=0 skips them.
 if [ "${FORKSAFE_CONSUMERS:-1}" != 0 ]; then
   echo "=== bash tools/consumers.sh"
   bash tools/consumers.sh 2>&1 | tee "$log"

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -47,6 +48,13 @@ AtForkHandler Tracing(Trace* t, const std::string& name) {
   h.parent = [t, name](bool prepared) { t->Add(std::string("parent:") + name + (prepared ? "" : "!")); };
   h.child = [t, name](bool prepared) { t->Add(std::string("child:") + name + (prepared ? "" : "!")); };
   return h;
+}
+
+bool HasEventOfKind(const ForkReport& r, ForkEventKind kind) {
+  for (const ForkEvent& e : r.events) {
+    if (e.kind == kind) return true;
+  }
+  return false;
 }
 
 // Restores the registry options after a test changes them.
@@ -312,6 +320,92 @@ TEST_F(AtForkTest, FrameworkLockIsTakenLastAndReleasedFirst) {
   const std::vector<std::string> want = {"prepare:b", "prepare:a", "framework_lock",
                                          "framework_unlock", "parent:a", "parent:b"};
   EXPECT_EQ(t.Take(), want);
+}
+
+// A framework lock that lets go of the forking thread's holding during prepare, as the GIL does
+// (FrameworkLock::SuspendForPrepare), or keeps it (the default), over DefaultFrameworkLock.
+class SuspendingLock : public FrameworkLock {
+ public:
+  explicit SuspendingLock(bool lets_go) : lets_go_(lets_go) {}
+  void Lock() override { inner_.Lock(); }
+  bool TryLockFor(std::chrono::nanoseconds d) override {
+    if (suspended_depth_ > 0) {  // back to the holding the thread had, then the registry's level
+      for (; suspended_depth_ > 0; --suspended_depth_) inner_.Lock();
+    }
+    return inner_.TryLockFor(d);
+  }
+  void Unlock() override { inner_.Unlock(); }
+  bool HeldByCurrentThread() const override { return inner_.HeldByCurrentThread(); }
+  void ResetInChild() override { inner_.ResetInChild(); }
+  bool SuspendForPrepare() override {
+    if (!lets_go_) return false;
+    while (inner_.HeldByCurrentThread()) {
+      inner_.Unlock();
+      ++suspended_depth_;
+    }
+    return true;
+  }
+
+ private:
+  const bool lets_go_;
+  int suspended_depth_ = 0;  // only the forking thread touches it
+  DefaultFrameworkLock inner_;
+};
+
+// The forking thread holds the framework lock (twice); a task on another thread needs it, and a
+// subsystem's prepare waits for that task. A lock that lets go during prepare lets the task
+// finish: everything is prepared, and the forking thread holds the lock again, twice, in both
+// processes. A lock that keeps it (the default) makes that prepare give up on its last attempt.
+TEST_F(AtForkTest, AFrameworkLockThatLetsGoDuringPrepareLetsDrainedTasksTakeIt) {
+  AtForkOptions o = AtForkRegistry::Get().options();
+  o.prepare_deadline = 500ms;
+  AtForkRegistry::Get().SetOptions(o);
+  for (const bool lets_go : {true, false}) {
+    SCOPED_TRACE(lets_go ? "a lock that lets go" : "a lock that keeps its holding");
+    SuspendingLock lock(lets_go);
+    SetFrameworkLock(&lock);
+    lock.Lock();
+    lock.Lock();
+    std::atomic<bool> task_done{false};
+    std::thread task([&] {
+      FrameworkLockGuard g;  // waits until the forking thread lets go
+      task_done = true;
+    });
+    int tag;
+    AtForkHandler drain;
+    drain.name = "waits_for_the_task";
+    drain.prepare = [&task_done](const PrepareAttempt& a) {
+      while (!task_done && std::chrono::steady_clock::now() < a.wait_until) {
+        std::this_thread::sleep_for(100us);
+      }
+      return task_done.load();
+    };
+    std::optional<AtForkRegistration> reg;
+    reg.emplace(&tag, std::move(drain));
+    auto child = RunInChild([&] {
+      if (!lock.HeldByCurrentThread()) return 1;
+      lock.Unlock();
+      if (!lock.HeldByCurrentThread()) return 2;  // held twice: still held once
+      lock.Unlock();
+      return lock.HeldByCurrentThread() ? 3 : 0;
+    });
+    const ForkReport r = AtForkRegistry::Get().LastReport();
+    EXPECT_TRUE(child.ok()) << child.Describe();
+    EXPECT_TRUE(lock.HeldByCurrentThread());
+    lock.Unlock();
+    EXPECT_TRUE(lock.HeldByCurrentThread()) << "the thread held the lock twice before the fork";
+    lock.Unlock();
+    EXPECT_FALSE(lock.HeldByCurrentThread());
+    task.join();  // the task takes the lock now if it had not
+    reg.reset();
+    SetFrameworkLock(nullptr);
+    if (lets_go) {
+      EXPECT_FALSE(HasEventOfKind(r, ForkEventKind::kPrepareGaveUp)) << r.ToString();
+      EXPECT_FALSE(HasEventOfKind(r, ForkEventKind::kFrameworkLockTimeout)) << r.ToString();
+    } else {
+      EXPECT_TRUE(HasEventOfKind(r, ForkEventKind::kPrepareGaveUp)) << r.ToString();
+    }
+  }
 }
 
 TEST_F(AtForkTest, ForkingWhileHoldingTheFrameworkLockDoesNotDeadlock) {

@@ -1,0 +1,74 @@
+// python/gil_lock.h: CPython's GIL as forksafe's framework lock (the Python package's own; not
+// installed as a C++ header).
+//
+// What it offers
+//   GilFrameworkLock, the runtime::FrameworkLock that `import forksafe` installs: every fork in
+//   the process is made with the GIL held by the forking thread, taken last in prepare (after
+//   every pool, oneTBB and OpenMP are quiet) and given back first, as MindSpore holds it across
+//   fork. C++ code of the process that takes forksafe's framework lock (FrameworkLockGuard)
+//   takes the GIL.
+//
+// Guarantees
+//   - os.fork() (and any fork from a thread that holds the GIL) lets go of the GIL as the fork
+//     begins (SuspendForPrepare) and takes it back last: a pool task that needs the GIL while
+//     os.fork() drains the pool finishes instead of running into the drain deadline. The thread
+//     returns from fork() holding the GIL as it did before, in both processes; CPython's own
+//     bookkeeping (PyOS_AfterFork_Child, os.register_at_fork hooks) runs as for any os.fork().
+//   - A fork from a thread that does not hold the GIL (a C++ thread of the process, a forksafe
+//     call that released it) takes it, through PyGILState_Ensure, so no Python code runs in the
+//     parent at the fork instant. The parent gives it back after the fork. The child keeps it on
+//     its only thread: its interpreter then has a thread that holds the GIL, as CPython's
+//     os.fork() leaves it before PyOS_AfterFork_Child, which such a child must call before it
+//     runs Python (forksafe's own entry points do).
+//   - Before Python is initialized and once it is finalizing, the lock holds nothing and every
+//     call returns at once.
+//
+// Hazards
+//   - The GIL has no timed acquire: a fork waits for it for as long as another thread keeps it,
+//     past AtForkOptions::framework_lock_timeout. A thread that holds the GIL in native code and
+//     waits there for something a fork holds (a forksafe call that waits for a registration or a
+//     drained pool, say) deadlocks with that fork. forksafe's Python API releases the GIL around
+//     every call that can block; a framework that calls forksafe's C++ API from its own Python
+//     binding must release the GIL around such calls too.
+//   - Between the start of the fork and the end of prepare other Python threads run (the GIL is
+//     let go): state that the forking thread's own Python code left half-done is visible to them,
+//     as at any bytecode boundary.
+#ifndef FORKSAFE_PYTHON_GIL_LOCK_H_
+#define FORKSAFE_PYTHON_GIL_LOCK_H_
+
+#include <chrono>
+
+#include "forksafe/runtime/framework_lock.h"
+
+namespace forksafe::python {
+
+/// The GIL as a runtime::FrameworkLock. One per process (Install()).
+class GilFrameworkLock final : public runtime::FrameworkLock {
+ public:
+  /// Takes the GIL (PyGILState_Ensure); recursive.
+  void Lock() override;
+  /// Takes the GIL; blocks until it has it (the GIL has no timed acquire: see Hazards).
+  bool TryLockFor(std::chrono::nanoseconds timeout) override;
+  /// Gives back one level taken by Lock or TryLockFor.
+  void Unlock() override;
+  /// True when the calling thread holds the GIL.
+  bool HeldByCurrentThread() const override;
+  /// Nothing: the child's GIL is rebuilt by PyOS_AfterFork_Child.
+  void ResetInChild() override;
+  /// Lets go of the GIL held by the forking thread (PyEval_SaveThread); TryLockFor takes it back.
+  bool SuspendForPrepare() override;
+};
+
+/// Makes the GIL the process's framework lock, unless the process already set a lock of its own
+/// (then that lock stays, and this returns false). Call with the GIL held, at import.
+bool InstallGilFrameworkLock();
+
+/// Puts back the default framework lock if the GIL is installed (at interpreter exit).
+void UninstallGilFrameworkLock();
+
+/// "gil", "default" or "custom": which framework lock the process uses.
+const char* FrameworkLockKind();
+
+}  // namespace forksafe::python
+
+#endif  // FORKSAFE_PYTHON_GIL_LOCK_H_

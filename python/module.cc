@@ -1,0 +1,380 @@
+// python/module.cc: forksafe._forksafe, the CPython extension under the `forksafe` package.
+//
+// A thin adapter over libforksafe.so (the process's one forksafe: a framework loaded in the same
+// process shares its registry). The behaviour lives in C++; this file gives it Python's shapes:
+// errors become the exception classes of forksafe/errors.py, blocking calls release the GIL, and
+// Python callables run on forksafe's threads with the GIL taken for them. Loading it makes the
+// GIL the framework lock (python/gil_lock.h) and registers forksafe's at-fork handlers (the
+// OpenMP one among them) for every fork of the process.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "forksafe/device/registry.h"
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/cpu_budget.h"
+#include "forksafe/runtime/error.h"
+#include "forksafe/runtime/openmp_fork.h"
+#include "forksafe/runtime/thread_pool.h"
+#include "forksafe/version.h"
+#include "python/gil_lock.h"
+
+namespace py = pybind11;
+
+namespace forksafe::python {
+namespace {
+
+using runtime::Error;
+using runtime::ErrorCode;
+
+// forksafe.errors' classes by ErrorCodeName, set once by forksafe/__init__.py.
+py::dict* g_error_classes = nullptr;
+
+constexpr ErrorCode kAllCodes[] = {
+    ErrorCode::kInvalidArgument,  ErrorCode::kNotFound,          ErrorCode::kAlreadyExists,
+    ErrorCode::kFailedPrecondition, ErrorCode::kForkPoisoned,    ErrorCode::kUnavailable,
+    ErrorCode::kResourceExhausted, ErrorCode::kDeadlineExceeded, ErrorCode::kCancelled,
+    ErrorCode::kClosed,           ErrorCode::kOwnerDied,         ErrorCode::kProcessFailed,
+    ErrorCode::kInternal,
+};
+
+// Raises `e` as the Python class of its code (RuntimeError before the classes are set).
+void RaiseError(const Error& e) {
+  const char* name = runtime::ErrorCodeName(e.code());
+  if (g_error_classes != nullptr && g_error_classes->contains(name)) {
+    py::object cls = (*g_error_classes)[name];
+    py::object exc = cls(e.message(), name);
+    PyErr_SetObject(cls.ptr(), exc.ptr());
+    return;
+  }
+  PyErr_SetString(PyExc_RuntimeError, e.what());
+}
+
+// ---------------------------------------------------------------------------------------------
+// A Python callable run on a forksafe thread, and its result.
+
+// What a task left: a value or an exception (set with the GIL held, read with the GIL held).
+// Deleted with the GIL held: it owns Python objects and may be released last by a worker.
+struct Outcome {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;                    // guarded by mu
+  py::object value;                     // touched with the GIL held only
+  py::object error;                     // the exception instance, if the call raised
+};
+
+template <typename T>
+std::shared_ptr<T> GilDeleted(T* p) {
+  return std::shared_ptr<T>(p, [](T* q) {
+    if (!Py_IsInitialized()) return;  // the interpreter is gone: leak rather than crash
+    py::gil_scoped_acquire gil;
+    delete q;
+  });
+}
+
+// A callable with its arguments.
+struct Call {
+  py::object fn;
+  py::tuple args;
+  py::dict kwargs;
+};
+
+// The result of ThreadPool.submit: result(timeout), exception(timeout), done().
+class Future {
+ public:
+  explicit Future(std::shared_ptr<Outcome> o) : o_(std::move(o)) {}
+
+  bool done() const {
+    std::lock_guard<std::mutex> lk(o_->mu);
+    return o_->done;
+  }
+
+  // Waits (GIL released) for the outcome; TimeoutError (DeadlineExceededError) when `timeout`
+  // seconds pass first.
+  void WaitFor(std::optional<double> timeout) const {
+    bool finished;
+    {
+      py::gil_scoped_release nogil;
+      std::unique_lock<std::mutex> lk(o_->mu);
+      if (timeout.has_value()) {
+        finished = o_->cv.wait_for(lk, std::chrono::duration<double>(*timeout),
+                                   [this] { return o_->done; });
+      } else {
+        o_->cv.wait(lk, [this] { return o_->done; });
+        finished = true;
+      }
+    }
+    if (!finished) {
+      throw Error(ErrorCode::kDeadlineExceeded,
+                  "the task has not finished within the timeout; call result() again to wait "
+                  "longer");
+    }
+  }
+
+  py::object result(std::optional<double> timeout) const {
+    WaitFor(timeout);
+    if (o_->error) {
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(o_->error.ptr())), o_->error.ptr());
+      throw py::error_already_set();
+    }
+    return o_->value;
+  }
+
+  py::object exception(std::optional<double> timeout) const {
+    WaitFor(timeout);
+    return o_->error ? o_->error : py::none();
+  }
+
+ private:
+  std::shared_ptr<Outcome> o_;
+};
+
+// Runs `call` on this (forksafe) thread with the GIL and records its outcome.
+void RunCall(const std::shared_ptr<Call>& call, const std::shared_ptr<Outcome>& out) {
+  if (!Py_IsInitialized()) return;
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      out->value = call->fn(*call->args, **call->kwargs);
+    } catch (py::error_already_set& e) {
+      e.restore();
+      PyObject *type, *value, *tb;
+      PyErr_Fetch(&type, &value, &tb);
+      PyErr_NormalizeException(&type, &value, &tb);
+      if (tb != nullptr) PyException_SetTraceback(value, tb);
+      out->error = py::reinterpret_steal<py::object>(value);
+      Py_XDECREF(type);
+      Py_XDECREF(tb);
+    }
+  }
+  std::lock_guard<std::mutex> lk(out->mu);
+  out->done = true;
+  out->cv.notify_all();
+}
+
+// forksafe.ThreadPool: runtime::ThreadPool for Python callables. Destroyed with the GIL
+// released (its destructor joins workers that may be waiting for the GIL).
+struct PyThreadPool {
+  std::unique_ptr<runtime::ThreadPool> pool;
+
+  runtime::ThreadPool& get() {
+    if (!pool) {
+      throw Error(ErrorCode::kFailedPrecondition,
+                  "the ThreadPool is closed; create a new one (or use it in a with-block)");
+    }
+    return *pool;
+  }
+
+  Future Submit(py::object fn, py::args args, py::kwargs kwargs) {
+    if (!PyCallable_Check(fn.ptr())) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "ThreadPool.submit needs a callable as its first argument, got " +
+                      std::string(py::str(py::type::of(fn))));
+    }
+    auto call = GilDeleted(new Call{std::move(fn), py::tuple(args), py::dict(kwargs)});
+    auto out = GilDeleted(new Outcome());
+    runtime::ThreadPool& p = get();
+    {
+      py::gil_scoped_release nogil;  // Post may wait for the pool's lock, which a fork holds
+      p.Post([call, out] { RunCall(call, out); });
+    }
+    return Future(out);
+  }
+
+  void Wait() {
+    runtime::ThreadPool& p = get();
+    py::gil_scoped_release nogil;
+    p.Wait();
+  }
+
+  void Close() {
+    std::unique_ptr<runtime::ThreadPool> p = std::move(pool);
+    py::gil_scoped_release nogil;
+    p.reset();  // runs what is queued, then joins the workers
+  }
+
+  ~PyThreadPool() {
+    if (pool) {
+      py::gil_scoped_release nogil;
+      pool.reset();
+    }
+  }
+};
+
+py::dict StatsDict(const runtime::ThreadPoolStats& s) {
+  py::dict d;
+  d["tasks_completed"] = s.tasks_completed;
+  d["task_exceptions"] = s.task_exceptions;
+  d["forks_drained"] = s.forks_drained;
+  d["drain_timeouts"] = s.drain_timeouts;
+  d["exit_waits"] = s.exit_waits;
+  d["rebuilt_in_child"] = s.rebuilt_in_child;
+  return d;
+}
+
+py::dict ReportDict(const runtime::ForkReport& r) {
+  py::list events;
+  for (const runtime::ForkEvent& e : r.events) {
+    py::dict ev;
+    ev["kind"] = runtime::ForkEventKindName(e.kind);
+    ev["subsystem"] = e.subsystem;
+    ev["detail"] = e.detail;
+    events.append(ev);
+  }
+  py::dict d;
+  d["fork_number"] = r.fork_number;
+  d["attempts"] = r.attempts;
+  d["events"] = events;
+  d["clean"] = r.clean();
+  d["text"] = r.ToString();
+  return d;
+}
+
+}  // namespace
+}  // namespace forksafe::python
+
+PYBIND11_MODULE(_forksafe, m) {
+  using namespace forksafe;
+  using namespace forksafe::python;
+  m.doc() = "forksafe's C++ runtime, for the forksafe package (import forksafe, not this)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const runtime::Error& e) {
+      RaiseError(e);
+    }
+  });
+
+  m.def("version", [] { return std::string(forksafe::Version()); },
+        "The version of the libforksafe.so this module runs on.");
+  m.def("error_code_names", [] {
+    std::vector<std::string> names;
+    for (runtime::ErrorCode c : kAllCodes) names.emplace_back(runtime::ErrorCodeName(c));
+    return names;
+  });
+  m.def("_set_error_classes", [](py::dict classes) {
+    if (g_error_classes == nullptr) g_error_classes = new py::dict();  // lives as long as Python
+    *g_error_classes = std::move(classes);
+  });
+  m.def("_raise_for_test", [](const std::string& code, const std::string& message) {
+    for (runtime::ErrorCode c : kAllCodes) {
+      if (code == runtime::ErrorCodeName(c)) throw runtime::Error(c, message);
+    }
+    throw runtime::Error(runtime::ErrorCode::kInvalidArgument, "no error code named " + code);
+  });
+
+  // The fork protocol.
+  m.def("install_gil_framework_lock", &InstallGilFrameworkLock);
+  m.def("uninstall_gil_framework_lock", &UninstallGilFrameworkLock);
+  m.def("framework_lock_kind", [] { return std::string(FrameworkLockKind()); });
+  m.def("last_fork_report", [] { return ReportDict(runtime::AtForkRegistry::Get().LastReport()); });
+  m.def("fork_count", [] { return runtime::AtForkRegistry::Get().fork_count(); });
+  m.def("handler_names", [] { return runtime::AtForkRegistry::Get().HandlerNames(); });
+  m.def("fork_generation", [] { return runtime::ForkGeneration(); });
+  m.def("openmp_usable", [] { return runtime::OpenMpUsableInThisProcess(); });
+  m.def("install_openmp_fork_handler", [] {
+    py::gil_scoped_release nogil;
+    runtime::InstallOpenMpForkHandler();
+  });
+  m.def("order_fork_handlers_after_openmp", [] {
+    py::gil_scoped_release nogil;
+    runtime::OrderForkHandlersAfterOpenMp();
+  });
+  m.def("default_thread_count", [] { return runtime::DefaultThreadCount(); });
+
+  // Devices: the default device (the child of a fork gets "cpu").
+  m.def("default_device", [] { return device::DefaultDevice().ToString(); });
+  m.def("set_default_device", [](const std::string& text) {
+    device::SetDefaultDevice(device::ParseDevice(text));
+  });
+  m.def("available_devices", [] {
+    std::vector<std::string> out;
+    for (const device::Device& d : device::AvailableDevices()) out.push_back(d.ToString());
+    return out;
+  });
+
+  // For the tests: a fork made by a thread that Python does not know (a C++ thread of the
+  // process). The child's only thread must hold the GIL there (python/gil_lock.h); with
+  // `run_python`, it then calls PyOS_AfterFork_Child and runs Python code. Returns the child's
+  // exit status (0: as expected), or -1 if it outlived `timeout` seconds (it is killed).
+  m.def("_fork_from_a_cpp_thread_for_test", [](bool run_python, double timeout) {
+    int result = -1;
+    py::gil_scoped_release nogil;
+    std::thread t([&] {
+      const pid_t pid = fork();
+      if (pid == 0) {
+        int code = PyGILState_Check() ? 0 : 2;
+        if (code == 0 && run_python) {
+          PyOS_AfterFork_Child();
+          code = PyRun_SimpleString("import forksafe\nassert sum(range(10)) == 45\n") == 0 ? 0 : 3;
+        }
+        _exit(code);
+      }
+      if (pid < 0) return;
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+      int status = 0;
+      for (;;) {
+        const pid_t done = waitpid(pid, &status, WNOHANG);
+        if (done == pid) {
+          result = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+          return;
+        }
+        if (std::chrono::steady_clock::now() > deadline) {
+          kill(pid, SIGKILL);
+          waitpid(pid, &status, 0);
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    });
+    t.join();
+    return result;
+  });
+
+  py::class_<Future>(m, "Future")
+      .def("done", &Future::done)
+      .def("result", &Future::result, py::arg("timeout") = py::none())
+      .def("exception", &Future::exception, py::arg("timeout") = py::none());
+
+  py::class_<PyThreadPool>(m, "ThreadPool")
+      .def(py::init([](int num_threads, const std::string& name, double drain_deadline) {
+             if (!(drain_deadline >= 0)) {
+               throw runtime::Error(runtime::ErrorCode::kInvalidArgument,
+                                    "drain_deadline is in seconds and must be >= 0, got " +
+                                        std::to_string(drain_deadline));
+             }
+             runtime::ThreadPoolOptions o;
+             o.num_threads = num_threads;
+             o.name = name;
+             o.drain_deadline = std::chrono::milliseconds(
+                 static_cast<int64_t>(std::min(drain_deadline, 86400.0) * 1000));
+             auto* p = new PyThreadPool();
+             p->pool = std::make_unique<runtime::ThreadPool>(o);
+             return p;
+           }),
+           py::arg("num_threads") = 0, py::arg("name") = "python",
+           py::arg("drain_deadline") = 2.0)
+      .def("submit", &PyThreadPool::Submit, py::arg("fn"))
+      .def("wait", &PyThreadPool::Wait)
+      .def("close", &PyThreadPool::Close)
+      .def_property_readonly("closed", [](const PyThreadPool& p) { return !p.pool; })
+      .def_property_readonly("num_threads", [](PyThreadPool& p) { return p.get().num_threads(); })
+      .def_property_readonly("live_workers",
+                             [](PyThreadPool& p) { return p.get().live_workers(); })
+      .def_property_readonly("name", [](PyThreadPool& p) { return p.get().name(); })
+      .def("stats", [](PyThreadPool& p) { return StatsDict(p.get().stats()); });
+}

@@ -1,0 +1,224 @@
+"""The fork protocol in Python (python/gil_lock.h): the GIL as the framework lock, every fork
+covered (os.fork() from any thread), CPython's own fork bookkeeping intact, and no deadlock
+between the GIL and the drain of forksafe's pools."""
+import os
+import threading
+import time
+
+import pytest
+
+import forksafe
+from forksafe import _forksafe
+from conftest import run_forked, run_python
+
+
+def events(report, *kinds):
+    return [e for e in report["events"] if e["kind"] in kinds]
+
+
+def test_os_fork_lets_a_pool_task_that_needs_the_gil_finish_before_the_fork():
+    # The task sleeps (without the GIL), then needs the GIL to finish: os.fork() holds it as the
+    # fork begins. The GIL is let go during the drain and taken back last, so the task finishes
+    # before the fork instead of the drain running into its deadline (10 s here).
+    state = {"done": False}
+    started = threading.Event()
+
+    def task():
+        started.set()
+        time.sleep(0.2)
+        x = sum(range(10000))  # Python code: needs the GIL
+        state["done"] = True
+        return x
+
+    with forksafe.ThreadPool(1, name="gil_task", drain_deadline=10.0) as pool:
+        future = pool.submit(task)
+        assert started.wait(10)
+        t0 = time.monotonic()
+        code = run_forked(lambda: 0 if state["done"] else 3)
+        took = time.monotonic() - t0
+        report = forksafe.fork_report()
+        assert code == 0, "the fork happened while the task was still running"
+        assert not events(report, "drain_deadline_exceeded", "framework_lock_timeout"), report["text"]
+        assert pool.stats()["drain_timeouts"] == 0
+        assert pool.stats()["forks_drained"] >= 1
+        assert future.result(10) == sum(range(10000))
+        assert took < 9.0, f"the fork waited {took:.1f} s: it ran into the drain deadline"
+
+
+def test_cpython_fork_hooks_and_the_child_interpreter_still_work():
+    calls = []
+    os.register_at_fork(before=lambda: calls.append("before"),
+                        after_in_parent=lambda: calls.append("parent"),
+                        after_in_child=lambda: calls.append("child"))
+
+    def child():
+        if calls[-2:] != ["before", "child"]:
+            return 2
+        # Threads work in the child (CPython's after-fork bookkeeping ran).
+        out = []
+        t = threading.Thread(target=out.append, args=(1,))
+        t.start()
+        t.join(10)
+        if out != [1]:
+            return 3
+        # A forksafe pool works in the child, rebuilt.
+        with forksafe.ThreadPool(2) as p:
+            if p.submit(pow, 3, 3).result(10) != 27:
+                return 4
+        return 0 if forksafe.framework_lock() == "gil" else 5
+
+    assert run_forked(child) == 0
+    assert calls[-2:] == ["before", "parent"]
+
+
+def test_a_fork_from_a_python_thread_while_the_main_thread_runs_python():
+    stop = threading.Event()
+    codes = []
+
+    def forker():
+        try:
+            for _ in range(20):
+                codes.append(run_forked(lambda: 0 if sum(range(1000)) == 499500 else 1))
+        finally:
+            stop.set()
+
+    t = threading.Thread(target=forker)
+    t.start()
+    n = 0
+    while not stop.is_set():
+        n += sum(range(100))  # the main thread keeps the GIL busy
+    t.join(60)
+    assert not t.is_alive()
+    assert codes == [0] * 20
+
+
+def test_forks_from_two_threads_at_once_with_a_busy_pool():
+    with forksafe.ThreadPool(2, name="busy_python", drain_deadline=10.0) as pool:
+        stop = threading.Event()
+
+        def feed():
+            while not stop.is_set():
+                pool.submit(lambda: sum(range(2000)))
+                time.sleep(0.0005)
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        results = {0: [], 1: []}
+
+        def forker(i):
+            for _ in range(15):
+                results[i].append(run_forked(lambda: 0 if pool.submit(int, "7").result(10) == 7 else 1))
+
+        forkers = [threading.Thread(target=forker, args=(i,)) for i in (0, 1)]
+        for f in forkers:
+            f.start()
+        for f in forkers:
+            f.join(120)
+        stop.set()
+        feeder.join(30)
+        assert results == {0: [0] * 15, 1: [0] * 15}
+        report = forksafe.fork_report()
+        assert not events(report, "drain_deadline_exceeded", "prepare_gave_up",
+                          "framework_lock_timeout", "handler_threw"), report["text"]
+
+
+def test_queued_tasks_stay_with_the_parent_and_the_childs_pool_is_fresh():
+    gate = threading.Event()
+    ran = []
+    with forksafe.ThreadPool(1, name="queued") as pool:
+        blocker = pool.submit(gate.wait, 30)
+        time.sleep(0.05)
+        for i in range(5):
+            pool.submit(ran.append, i)
+        # The blocker is in flight: release it from a thread so that the drain can finish.
+        threading.Timer(0.1, gate.set).start()
+
+        def child():
+            if ran:  # no parent task ran here
+                return 2
+            if pool.submit(pow, 2, 5).result(10) != 32:
+                return 3
+            return 0 if pool.stats()["rebuilt_in_child"] == 1 else 4
+
+        assert run_forked(child) == 0
+        assert blocker.result(30) is True
+        pool.wait()
+        assert ran == list(range(5))
+
+
+def test_the_childs_default_device_is_the_cpu():
+    if "sim:0" not in forksafe.available_devices():
+        pytest.skip("no simulated accelerator in this build")
+    forksafe.set_default_device("sim:0")
+    try:
+        assert forksafe.default_device() == "sim:0"
+        assert run_forked(lambda: 0 if forksafe.default_device() == "cpu" else 1) == 0
+    finally:
+        forksafe.set_default_device("cpu")
+
+
+TORCH_FORKS = r"""
+import os, sys, time
+order = sys.argv[1] if len(sys.argv) > 1 else "%(order)s"
+if order == "forksafe first":
+    import forksafe, torch
+else:
+    import torch, forksafe
+torch.set_num_threads(2)
+assert float(torch.ones(1 << 21).exp().sum()) > 0  # an intra-op region (OpenMP)
+pids = []
+for _ in range(5):
+    pid = os.fork()
+    if pid == 0:
+        ok = float(torch.ones(1 << 21).mul(2).sum()) == 2.0 * (1 << 21)
+        os._exit(0 if ok else 3)
+    pids.append(pid)
+deadline = time.monotonic() + 20
+ran = hung = 0
+for pid in pids:
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            ran += os.waitstatus_to_exitcode(status) == 0
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9); os.waitpid(pid, 0); hung += 1
+            break
+        time.sleep(0.01)
+print(f"ran {ran} hung {hung}")
+"""
+
+
+@pytest.mark.parametrize("order", ["torch first", "forksafe first"])
+def test_importing_forksafe_makes_torchs_forks_safe_for_openmp(order):
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pytest.skip("torch is not importable by /usr/bin/python3 (Debian's python3-torch)")
+    code, out = run_python(TORCH_FORKS % {"order": order})
+    assert code == 0, out
+    assert "ran 5 hung 0" in out, out
+
+
+@pytest.mark.parametrize("run_python", [False, True])
+def test_a_fork_from_a_cpp_thread_takes_the_gil_and_the_child_keeps_it(run_python):
+    # A Python thread keeps running bytecode meanwhile: the fork must wait for the GIL, then the
+    # child's only thread holds it (and, after PyOS_AfterFork_Child, runs Python).
+    stop = threading.Event()
+    spins = [0]
+
+    def spin():
+        while not stop.is_set():
+            spins[0] += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        for _ in range(5):
+            assert _forksafe._fork_from_a_cpp_thread_for_test(run_python, 20.0) == 0
+    finally:
+        stop.set()
+        t.join(10)
+    assert spins[0] > 0
+    report = forksafe.fork_report()
+    assert not events(report, "framework_lock_timeout", "handler_threw"), report["text"]
