@@ -16,7 +16,10 @@ namespace {
 struct Level {
   bool ensured = false;  // taken with PyGILState_Ensure (else nothing to give back)
   PyGILState_STATE state = PyGILState_UNLOCKED;
-  pid_t pid = 0;  // the process that took it: a child keeps what its parent's fork took
+  pid_t pid = 0;  // the process that took it
+  // Whether PyGILState_Ensure made this thread's thread state (a thread Python did not know):
+  // a child forked by such a thread keeps the GIL on it (see the header).
+  bool created_thread_state = false;
 };
 
 thread_local std::vector<Level> t_levels;
@@ -25,6 +28,13 @@ thread_local std::vector<Level> t_levels;
 thread_local PyThreadState* t_suspended = nullptr;
 
 GilFrameworkLock* g_installed = nullptr;
+
+// Whether this thread holds the GIL: its own thread state is the interpreter's current one.
+// (PyGILState_Check answers 1 for every thread once a subinterpreter exists.)
+bool ThisThreadHoldsTheGil() {
+  PyThreadState* mine = PyGILState_GetThisThreadState();
+  return mine != nullptr && mine == _PyThreadState_UncheckedGet();
+}
 
 // Whether the interpreter can hand out the GIL: initialized and not finalizing.
 bool PythonAlive() {
@@ -43,6 +53,7 @@ void GilFrameworkLock::Lock() {
   level.pid = getpid();
   if (PythonAlive()) {
     level.ensured = true;
+    level.created_thread_state = PyGILState_GetThisThreadState() == nullptr;
     level.state = PyGILState_Ensure();
   }
   t_levels.push_back(level);
@@ -54,7 +65,7 @@ bool GilFrameworkLock::TryLockFor(std::chrono::nanoseconds) {
     PyThreadState* tstate = t_suspended;
     t_suspended = nullptr;
     PyEval_RestoreThread(tstate);
-    t_levels.push_back(Level{false, PyGILState_UNLOCKED, getpid()});
+    t_levels.push_back(Level{false, PyGILState_UNLOCKED, getpid(), false});
     return true;
   }
   Lock();
@@ -68,13 +79,16 @@ void GilFrameworkLock::Unlock() {
   }
   const Level level = t_levels.back();
   t_levels.pop_back();
-  // In a forked child the level that the parent's fork took stays held: the child's only thread
-  // keeps the GIL (see the header).
-  if (level.ensured && level.pid == getpid() && PythonAlive()) PyGILState_Release(level.state);
+  if (!level.ensured || !PythonAlive()) return;
+  // In a forked child, a thread whose thread state the fork made keeps the GIL (see the header);
+  // a thread that had its own (switched out by a GIL release) gives it back, so that its code can
+  // take it again where it released it.
+  if (level.pid != getpid() && level.created_thread_state) return;
+  PyGILState_Release(level.state);
 }
 
 bool GilFrameworkLock::HeldByCurrentThread() const {
-  return PythonAlive() && PyGILState_Check() != 0;
+  return PythonAlive() && ThisThreadHoldsTheGil();
 }
 
 void GilFrameworkLock::ResetInChild() {
@@ -84,7 +98,7 @@ void GilFrameworkLock::ResetInChild() {
 }
 
 bool GilFrameworkLock::SuspendForPrepare() {
-  if (!PythonAlive() || PyGILState_Check() == 0) return false;
+  if (!PythonAlive() || !ThisThreadHoldsTheGil()) return false;
   t_suspended = PyEval_SaveThread();
   return true;
 }

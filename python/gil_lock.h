@@ -14,12 +14,15 @@
 //     os.fork() drains the pool finishes instead of running into the drain deadline. The thread
 //     returns from fork() holding the GIL as it did before, in both processes; CPython's own
 //     bookkeeping (PyOS_AfterFork_Child, os.register_at_fork hooks) runs as for any os.fork().
-//   - A fork from a thread that does not hold the GIL (a C++ thread of the process, a forksafe
-//     call that released it) takes it, through PyGILState_Ensure, so no Python code runs in the
-//     parent at the fork instant. The parent gives it back after the fork. The child keeps it on
-//     its only thread: its interpreter then has a thread that holds the GIL, as CPython's
-//     os.fork() leaves it before PyOS_AfterFork_Child, which such a child must call before it
-//     runs Python (forksafe's own entry points do).
+//   - A fork from a thread that does not hold the GIL takes it, through PyGILState_Ensure, so no
+//     Python code runs in the parent at the fork instant; the parent gives it back after the
+//     fork. In the child:
+//       - a thread that Python did not know (a C++ thread: Ensure made its thread state) keeps
+//         the GIL on the child's only thread, as CPython's os.fork() leaves it before
+//         PyOS_AfterFork_Child, which such a child must call before it runs Python;
+//       - a Python thread that had released the GIL (C++ code inside Py_BEGIN_ALLOW_THREADS)
+//         gives it back, so that its code takes it again where it released it; that code must
+//         then call PyOS_AfterFork_Child before it runs Python.
 //   - Before Python is initialized and once it is finalizing, the lock holds nothing and every
 //     call returns at once.
 //
@@ -32,7 +35,13 @@
 //     binding must release the GIL around such calls too.
 //   - Between the start of the fork and the end of prepare other Python threads run (the GIL is
 //     let go): state that the forking thread's own Python code left half-done is visible to them,
-//     as at any bytecode boundary.
+//     as at any bytecode boundary. os.fork() holds CPython's import lock meanwhile: a pool task
+//     that imports a module for the first time waits for the fork to end, and so the drain runs
+//     into its deadline (import what tasks need before forking).
+//   - Only the registry of the process's primary forksafe lets go of its framework lock. If a
+//     framework's own static copy of forksafe was loaded before `import forksafe`,
+//     libforksafe.so nests in it (runtime/at_fork.h, "One registry per process") and the GIL is
+//     held through the drain: a pool task that needs the GIL then waits until the drain deadline.
 #ifndef FORKSAFE_PYTHON_GIL_LOCK_H_
 #define FORKSAFE_PYTHON_GIL_LOCK_H_
 

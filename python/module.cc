@@ -9,6 +9,7 @@
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <errno.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -30,7 +31,9 @@
 #include "forksafe/runtime/openmp_fork.h"
 #include "forksafe/runtime/thread_pool.h"
 #include "forksafe/version.h"
+#include "python/errors.h"
 #include "python/gil_lock.h"
+#include "python/tensor.h"
 
 namespace py = pybind11;
 
@@ -51,24 +54,13 @@ constexpr ErrorCode kAllCodes[] = {
     ErrorCode::kInternal,
 };
 
-// Raises `e` as the Python class of its code (RuntimeError before the classes are set).
-void RaiseError(const Error& e) {
-  const char* name = runtime::ErrorCodeName(e.code());
-  if (g_error_classes != nullptr && g_error_classes->contains(name)) {
-    py::object cls = (*g_error_classes)[name];
-    py::object exc = cls(e.message(), name);
-    PyErr_SetObject(cls.ptr(), exc.ptr());
-    return;
-  }
-  PyErr_SetString(PyExc_RuntimeError, e.what());
-}
-
 // ---------------------------------------------------------------------------------------------
 // A Python callable run on a forksafe thread, and its result.
 
 // What a task left: a value or an exception (set with the GIL held, read with the GIL held).
 // Deleted with the GIL held: it owns Python objects and may be released last by a worker.
 struct Outcome {
+  uint64_t generation = runtime::ForkGeneration();  // the process that submitted the task
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;                    // guarded by mu
@@ -106,6 +98,11 @@ class Future {
   // seconds pass first.
   void WaitFor(std::optional<double> timeout) const {
     bool finished;
+    if (!done() && runtime::ForkGeneration() != o_->generation) {
+      throw Error(ErrorCode::kFailedPrecondition,
+                  "this Future belongs to a task of the parent process that had not finished at "
+                  "the fork; the task runs in the parent only, so its result never comes here");
+    }
     {
       py::gil_scoped_release nogil;
       std::unique_lock<std::mutex> lk(o_->mu);
@@ -165,17 +162,27 @@ void RunCall(const std::shared_ptr<Call>& call, const std::shared_ptr<Outcome>& 
   out->cv.notify_all();
 }
 
-// forksafe.ThreadPool: runtime::ThreadPool for Python callables. Destroyed with the GIL
-// released (its destructor joins workers that may be waiting for the GIL).
-struct PyThreadPool {
-  std::unique_ptr<runtime::ThreadPool> pool;
+// forksafe.ThreadPool: runtime::ThreadPool for Python callables. Every call that can wait (for
+// the pool's lock, which a fork holds, or for tasks) runs with the GIL released, on its own
+// reference to the pool, so that close() on another thread cannot free the pool under it; the
+// last reference goes with the GIL released (the destructor joins workers that may be waiting
+// for the GIL) and never on one of the pool's own workers (it would wait for itself).
+class PyThreadPool {
+ public:
+  explicit PyThreadPool(std::shared_ptr<runtime::ThreadPool> pool) : pool_(std::move(pool)) {}
+  PyThreadPool(const PyThreadPool&) = delete;
+  PyThreadPool& operator=(const PyThreadPool&) = delete;
+  ~PyThreadPool() { Drop(std::move(pool_)); }
 
-  runtime::ThreadPool& get() {
-    if (!pool) {
+  bool closed() const { return !pool_; }
+
+  // A reference to the pool, taken with the GIL held; kFailedPrecondition once closed.
+  std::shared_ptr<runtime::ThreadPool> get() const {
+    if (!pool_) {
       throw Error(ErrorCode::kFailedPrecondition,
                   "the ThreadPool is closed; create a new one (or use it in a with-block)");
     }
-    return *pool;
+    return pool_;
   }
 
   Future Submit(py::object fn, py::args args, py::kwargs kwargs) {
@@ -186,33 +193,83 @@ struct PyThreadPool {
     }
     auto call = GilDeleted(new Call{std::move(fn), py::tuple(args), py::dict(kwargs)});
     auto out = GilDeleted(new Outcome());
-    runtime::ThreadPool& p = get();
+    std::shared_ptr<runtime::ThreadPool> p = get();
     {
-      py::gil_scoped_release nogil;  // Post may wait for the pool's lock, which a fork holds
-      p.Post([call, out] { RunCall(call, out); });
+      py::gil_scoped_release nogil;
+      p->Post([call, out] { RunCall(call, out); });
+      Drop(std::move(p));
     }
     return Future(out);
   }
 
   void Wait() {
-    runtime::ThreadPool& p = get();
+    std::shared_ptr<runtime::ThreadPool> p = get();
     py::gil_scoped_release nogil;
-    p.Wait();
+    p->Wait();
+    Drop(std::move(p));
   }
 
+  // Runs what is queued, then joins the workers (once no other call still uses the pool).
   void Close() {
-    std::unique_ptr<runtime::ThreadPool> p = std::move(pool);
+    if (pool_ && pool_->OnThisPoolsWorker()) {
+      throw Error(ErrorCode::kFailedPrecondition,
+                  "ThreadPool.close() was called from one of the pool's own tasks; it would wait "
+                  "for itself: close the pool from another thread");
+    }
+    std::shared_ptr<runtime::ThreadPool> p = std::move(pool_);
     py::gil_scoped_release nogil;
-    p.reset();  // runs what is queued, then joins the workers
+    Drop(std::move(p));
   }
 
-  ~PyThreadPool() {
-    if (pool) {
-      py::gil_scoped_release nogil;
-      pool.reset();
-    }
+  // fn(pool) with the GIL released (the pool's lock may be held by a fork).
+  template <typename Fn>
+  auto Apply(Fn fn) const {
+    std::shared_ptr<runtime::ThreadPool> p = get();
+    py::gil_scoped_release nogil;
+    auto r = fn(*p);
+    Drop(std::move(p));
+    return r;
   }
+
+ private:
+  // Releases a reference; if it is the last, the pool is destroyed here, or, on one of its own
+  // workers, on a thread of its own. Requires the GIL released, or held by a thread that no
+  // worker waits for (the destructor of the Python object: then no task is left that needs it).
+  static void Drop(std::shared_ptr<runtime::ThreadPool> p) {
+    if (!p) return;
+    if (p.use_count() == 1 && p->OnThisPoolsWorker()) {
+      std::thread([q = std::move(p)]() mutable { q.reset(); }).detach();
+      return;
+    }
+    if (p.use_count() == 1 && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      p.reset();
+      return;
+    }
+    p.reset();
+  }
+
+  std::shared_ptr<runtime::ThreadPool> pool_;
 };
+
+// For the test hooks: waits for child `pid` at most `timeout` seconds. Its exit status (128 +
+// the signal for a signal), or -1 after killing it when it outlived the timeout.
+int WaitBounded(pid_t pid, double timeout) {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+  int status = 0;
+  for (;;) {
+    const pid_t done = waitpid(pid, &status, WNOHANG);
+    if (done == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (done < 0 && errno != EINTR) return -3;
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
 
 py::dict StatsDict(const runtime::ThreadPoolStats& s) {
   py::dict d;
@@ -244,6 +301,18 @@ py::dict ReportDict(const runtime::ForkReport& r) {
 }
 
 }  // namespace
+
+void RaiseError(const Error& e) {
+  const char* name = runtime::ErrorCodeName(e.code());
+  if (g_error_classes != nullptr && g_error_classes->contains(name)) {
+    py::object cls = (*g_error_classes)[name];
+    py::object exc = cls(e.message(), name);
+    PyErr_SetObject(cls.ptr(), exc.ptr());
+    return;
+  }
+  PyErr_SetString(PyExc_RuntimeError, e.what());
+}
+
 }  // namespace forksafe::python
 
 PYBIND11_MODULE(_forksafe, m) {
@@ -281,11 +350,22 @@ PYBIND11_MODULE(_forksafe, m) {
   m.def("install_gil_framework_lock", &InstallGilFrameworkLock);
   m.def("uninstall_gil_framework_lock", &UninstallGilFrameworkLock);
   m.def("framework_lock_kind", [] { return std::string(FrameworkLockKind()); });
-  m.def("last_fork_report", [] { return ReportDict(runtime::AtForkRegistry::Get().LastReport()); });
-  m.def("fork_count", [] { return runtime::AtForkRegistry::Get().fork_count(); });
-  m.def("handler_names", [] { return runtime::AtForkRegistry::Get().HandlerNames(); });
+  // Every call that may wait for the registry's lock (a fork holds it) releases the GIL, or a
+  // fork that let go of the GIL could never take it back (python/gil_lock.h, Hazards).
+  using ReleaseGil = py::call_guard<py::gil_scoped_release>;
+  m.def("last_fork_report", [] {
+    runtime::ForkReport r;
+    {
+      py::gil_scoped_release nogil;
+      r = runtime::AtForkRegistry::Get().LastReport();
+    }
+    return ReportDict(r);
+  });
+  m.def("fork_count", [] { return runtime::AtForkRegistry::Get().fork_count(); }, ReleaseGil());
+  m.def("handler_names", [] { return runtime::AtForkRegistry::Get().HandlerNames(); },
+        ReleaseGil());
   m.def("fork_generation", [] { return runtime::ForkGeneration(); });
-  m.def("openmp_usable", [] { return runtime::OpenMpUsableInThisProcess(); });
+  m.def("openmp_usable", [] { return runtime::OpenMpUsableInThisProcess(); }, ReleaseGil());
   m.def("install_openmp_fork_handler", [] {
     py::gil_scoped_release nogil;
     runtime::InstallOpenMpForkHandler();
@@ -294,18 +374,22 @@ PYBIND11_MODULE(_forksafe, m) {
     py::gil_scoped_release nogil;
     runtime::OrderForkHandlersAfterOpenMp();
   });
-  m.def("default_thread_count", [] { return runtime::DefaultThreadCount(); });
+  m.def("default_thread_count", [] { return runtime::DefaultThreadCount(); }, ReleaseGil());
 
   // Devices: the default device (the child of a fork gets "cpu").
-  m.def("default_device", [] { return device::DefaultDevice().ToString(); });
-  m.def("set_default_device", [](const std::string& text) {
-    device::SetDefaultDevice(device::ParseDevice(text));
-  });
-  m.def("available_devices", [] {
-    std::vector<std::string> out;
-    for (const device::Device& d : device::AvailableDevices()) out.push_back(d.ToString());
-    return out;
-  });
+  m.def("default_device", [] { return device::DefaultDevice().ToString(); }, ReleaseGil());
+  m.def(
+      "set_default_device",
+      [](const std::string& text) { device::SetDefaultDevice(device::ParseDevice(text)); },
+      ReleaseGil());
+  m.def(
+      "available_devices",
+      [] {
+        std::vector<std::string> out;
+        for (const device::Device& d : device::AvailableDevices()) out.push_back(d.ToString());
+        return out;
+      },
+      ReleaseGil());
 
   // For the tests: a fork made by a thread that Python does not know (a C++ thread of the
   // process). The child's only thread must hold the GIL there (python/gil_lock.h); with
@@ -324,25 +408,31 @@ PYBIND11_MODULE(_forksafe, m) {
         }
         _exit(code);
       }
-      if (pid < 0) return;
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
-      int status = 0;
-      for (;;) {
-        const pid_t done = waitpid(pid, &status, WNOHANG);
-        if (done == pid) {
-          result = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-          return;
-        }
-        if (std::chrono::steady_clock::now() > deadline) {
-          kill(pid, SIGKILL);
-          waitpid(pid, &status, 0);
-          return;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      }
+      if (pid > 0) result = WaitBounded(pid, timeout);
     });
     t.join();
     return result;
+  });
+
+  BindTensor(m);
+
+  // For the tests: a fork made by this Python thread from C++ code that released the GIL. In the
+  // child the thread takes the GIL back where it released it (it must be free there), calls
+  // PyOS_AfterFork_Child and runs Python. Returns the child's exit status (0: as expected), or -1
+  // if it outlived `timeout` seconds (it is killed).
+  m.def("_fork_with_the_gil_released_for_test", [](double timeout) {
+    pid_t pid;
+    {
+      py::gil_scoped_release nogil;
+      pid = fork();
+    }  // the child takes the GIL back here (PyEval_RestoreThread): it waits for ever if kept
+    if (pid == 0) {
+      PyOS_AfterFork_Child();
+      const int rc = PyRun_SimpleString("import forksafe\nassert sum(range(10)) == 45\n");
+      _exit(rc == 0 ? 0 : 3);
+    }
+    py::gil_scoped_release nogil;
+    return pid < 0 ? -2 : WaitBounded(pid, timeout);
   });
 
   py::class_<Future>(m, "Future")
@@ -362,19 +452,32 @@ PYBIND11_MODULE(_forksafe, m) {
              o.name = name;
              o.drain_deadline = std::chrono::milliseconds(
                  static_cast<int64_t>(std::min(drain_deadline, 86400.0) * 1000));
-             auto* p = new PyThreadPool();
-             p->pool = std::make_unique<runtime::ThreadPool>(o);
-             return p;
+             std::shared_ptr<runtime::ThreadPool> pool;
+             {
+               py::gil_scoped_release nogil;  // registering waits for a fork in progress
+               pool = std::make_shared<runtime::ThreadPool>(o);
+             }
+             return new PyThreadPool(std::move(pool));
            }),
            py::arg("num_threads") = 0, py::arg("name") = "python",
            py::arg("drain_deadline") = 2.0)
       .def("submit", &PyThreadPool::Submit, py::arg("fn"))
       .def("wait", &PyThreadPool::Wait)
       .def("close", &PyThreadPool::Close)
-      .def_property_readonly("closed", [](const PyThreadPool& p) { return !p.pool; })
-      .def_property_readonly("num_threads", [](PyThreadPool& p) { return p.get().num_threads(); })
+      .def_property_readonly("closed", &PyThreadPool::closed)
+      .def_property_readonly("num_threads",
+                             [](const PyThreadPool& p) {
+                               return p.Apply([](runtime::ThreadPool& t) { return t.num_threads(); });
+                             })
       .def_property_readonly("live_workers",
-                             [](PyThreadPool& p) { return p.get().live_workers(); })
-      .def_property_readonly("name", [](PyThreadPool& p) { return p.get().name(); })
-      .def("stats", [](PyThreadPool& p) { return StatsDict(p.get().stats()); });
+                             [](const PyThreadPool& p) {
+                               return p.Apply([](runtime::ThreadPool& t) { return t.live_workers(); });
+                             })
+      .def_property_readonly("name",
+                             [](const PyThreadPool& p) {
+                               return p.Apply([](runtime::ThreadPool& t) { return t.name(); });
+                             })
+      .def("stats", [](const PyThreadPool& p) {
+        return StatsDict(p.Apply([](runtime::ThreadPool& t) { return t.stats(); }));
+      });
 }

@@ -50,15 +50,16 @@ while read -r target result _; do
   # A target that did not build (or got no status) this run may have an old test.xml: ignore it.
   if [ "$result" = "FAILED_TO_BUILD" ] || [ "$result" = "NO" ]; then xml=/nonexistent; fi
   if [ -f "$xml" ]; then
-    head_line="$(grep -m1 '<testsuites' "$xml" || true)"
-    # pytest's JUnit XML (python/run_pytest.sh) carries the counts on <testsuite> instead.
-    if ! grep -q ' tests="' <<<"$head_line"; then
-      head_line="$(grep -o -m1 '<testsuite [^>]*>' "$xml" | sed 's/<testsuite /<testsuites /' || true)"
-    fi
-    t="$(sed -n 's/.*<testsuites[^>]* tests="\([0-9]*\)".*/\1/p' <<<"$head_line")"; t=${t:-0}
-    f="$(sed -n 's/.*<testsuites[^>]* failures="\([0-9]*\)".*/\1/p' <<<"$head_line")"; f=${f:-0}
-    e="$(sed -n 's/.*<testsuites[^>]* errors="\([0-9]*\)".*/\1/p' <<<"$head_line")"; f=$((f + ${e:-0}))
-    s="$(grep -c '<skipped' "$xml" || true)"; s=${s:-0}
+    # GoogleTest's XML carries the totals on <testsuites ...>; pytest's JUnit XML
+    # (python/run_pytest.sh, all on one line) on its one <testsuite ...>, skips included.
+    head_line="$(grep -o -m1 '<testsuites [^>]*>' "$xml" || true)"
+    if [ -z "$head_line" ]; then head_line="$(grep -o -m1 '<testsuite [^>]*>' "$xml" || true)"; fi
+    attr() { sed -n "s/.* $1=\"\([0-9]*\)\".*/\1/p" <<<"$head_line"; }
+    t="$(attr tests)"; t=${t:-0}
+    f="$(attr failures)"; f=${f:-0}
+    e="$(attr errors)"; f=$((f + ${e:-0}))
+    s="$(attr skipped)"
+    if [ -z "$s" ]; then s="$(grep -o '<skipped' "$xml" | wc -l)"; fi
   fi
   if [ "$result" != "PASSED" ] && [ "$f" -eq 0 ]; then
     f=1  # crashed, timed out or did not build: count the target as one failure
@@ -81,7 +82,12 @@ done < <(grep -E '^//[^ ]+ +(\(cached\) +)?(PASSED|FAILED|TIMEOUT|FLAKY|INCOMPLE
 # The plain run includes the Python package's tests (//python:python_test, manual: pytest with
 # /usr/bin/python3 on the extension built against libforksafe.so; python/BUILD.bazel says why
 # the sanitizer runs leave it out).
-targets="//... //python:python_test" run_suite "$@"
+# Not under a --config (a sanitizer build of the extension cannot be loaded into /usr/bin/python3).
+python_target="//python:python_test"
+for flag in "$@"; do
+  case "$flag" in --config=*|--config) python_target="" ;; esac
+done
+targets="//... $python_target" run_suite "$@"
 
 # The package's four consumers (tools/consumers.sh: CMake, pkg-config and Python from an install
 # into a temporary prefix, and an outside Bazel workspace) each build and run a program of

@@ -34,6 +34,12 @@ _forksafe.install_gil_framework_lock()
 _forksafe.install_openmp_fork_handler()
 _forksafe.order_fork_handlers_after_openmp()
 
+# forksafe.Tensor (the C++ device::Tensor): numpy and torch see it without a copy, through the
+# buffer protocol (np.asarray(t), memoryview(t); CPU tensors) and DLPack (torch.from_dlpack(t),
+# np.from_dlpack(t)); from_dlpack(x) wraps a numpy array's or torch tensor's memory likewise.
+Tensor = _forksafe.Tensor
+from_dlpack = _forksafe.from_dlpack
+
 _pools = _weakref.WeakSet()
 
 
@@ -146,13 +152,16 @@ def default_thread_count():
 
 @_atexit.register
 def _at_exit():
-    # Pools' threads run Python code: stop them while the interpreter can still run it, and hand
-    # the framework lock back before the GIL goes away.
+    # Pools' threads run Python code: stop them while the interpreter can still run it. The GIL
+    # stays the framework lock: once Python finalizes it holds nothing (python/gil_lock.h), and
+    # swapping it while another thread forks would leave that fork without the GIL.
     for pool in list(_pools):
-        pool.close()
-    _forksafe.uninstall_gil_framework_lock()
+        try:
+            pool.close()
+        except Error:
+            pass  # closed from one of its own tasks' threads: nothing to wait for here
 
 
-__all__ = ["ThreadPool", "fork_report", "fork_count", "framework_lock", "openmp_usable",
+__all__ = ["Tensor", "from_dlpack", "ThreadPool", "fork_report", "fork_count", "framework_lock", "openmp_usable",
            "default_device", "set_default_device", "available_devices", "default_thread_count",
            "__version__"] + list(_errors_all)

@@ -4,6 +4,7 @@ Every process a test starts ends: forked children are waited for with a deadline
 their pid when they outlive it (the test then fails with a message), subprocesses run with a
 timeout.
 """
+import faulthandler
 import os
 import signal
 import subprocess
@@ -12,6 +13,16 @@ import time
 import traceback
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def watchdog():
+    """Every test ends within 150 s: past that the interpreter exits (a hang inside os.fork in
+    the parent cannot be bounded any other way); pytest's faulthandler_timeout (run_pytest.sh)
+    has printed every thread's stack at 100 s."""
+    faulthandler.dump_traceback_later(150, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 def run_forked(fn, timeout=20.0):

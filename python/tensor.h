@@ -1,0 +1,15 @@
+// python/tensor.h: forksafe.Tensor and forksafe.from_dlpack (python/tensor.cc), for the
+// extension's module definition (python/module.cc).
+#ifndef FORKSAFE_PYTHON_TENSOR_H_
+#define FORKSAFE_PYTHON_TENSOR_H_
+
+#include <pybind11/pybind11.h>
+
+namespace forksafe::python {
+
+/// Adds Tensor, from_dlpack and dtypes to `m`.
+void BindTensor(pybind11::module_& m);
+
+}  // namespace forksafe::python
+
+#endif  // FORKSAFE_PYTHON_TENSOR_H_
