@@ -28,13 +28,20 @@ thread_local std::vector<Level> t_levels;
 thread_local PyThreadState* t_suspended = nullptr;
 
 GilFrameworkLock* g_installed = nullptr;
+// The process in which Unlock last ran PyOS_AfterFork_Child (once per child).
+pid_t g_after_fork_child_ran = 0;
 
-// Whether this thread holds the GIL: its own thread state is the interpreter's current one.
-// (PyGILState_Check answers 1 for every thread once a subinterpreter exists.)
+}  // namespace
+
 bool ThisThreadHoldsTheGil() {
-  PyThreadState* mine = PyGILState_GetThisThreadState();
-  return mine != nullptr && mine == _PyThreadState_UncheckedGet();
+  // The current thread state (process-wide in 3.11) was made on this thread: this thread holds
+  // the GIL, in whichever interpreter. (PyGILState_Check answers 1 for every thread once a
+  // subinterpreter exists.)
+  PyThreadState* current = _PyThreadState_UncheckedGet();
+  return current != nullptr && current->thread_id == PyThread_get_thread_ident();
 }
+
+namespace {
 
 // Whether the interpreter can hand out the GIL: initialized and not finalizing.
 bool PythonAlive() {
@@ -80,10 +87,22 @@ void GilFrameworkLock::Unlock() {
   const Level level = t_levels.back();
   t_levels.pop_back();
   if (!level.ensured || !PythonAlive()) return;
-  // In a forked child, a thread whose thread state the fork made keeps the GIL (see the header);
-  // a thread that had its own (switched out by a GIL release) gives it back, so that its code can
-  // take it again where it released it.
-  if (level.pid != getpid() && level.created_thread_state) return;
+  const pid_t me = getpid();
+  if (level.pid != me && g_after_fork_child_ran != me) {
+    // A child whose fork this thread made without holding the GIL before: CPython's own child
+    // bookkeeping runs here (once), while the thread holds the GIL as it expects. Giving back the
+    // GIL copied from the parent would wait for ever if another thread had asked for it at the
+    // fork (its drop request survives in the copy); PyOS_AfterFork_Child builds a fresh one.
+    g_after_fork_child_ran = me;
+    PyOS_AfterFork_Child();
+  }
+  if (level.pid != me && level.created_thread_state) {
+    // Keep the thread state that Ensure made: PyOS_AfterFork_Child deleted every other one, and
+    // an interpreter left without any would hand out its used initial one next (a fatal error
+    // in 3.11). Only the GIL goes back; PyGILState_Ensure finds this state again.
+    PyEval_SaveThread();
+    return;
+  }
   PyGILState_Release(level.state);
 }
 

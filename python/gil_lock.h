@@ -16,13 +16,14 @@
 //     bookkeeping (PyOS_AfterFork_Child, os.register_at_fork hooks) runs as for any os.fork().
 //   - A fork from a thread that does not hold the GIL takes it, through PyGILState_Ensure, so no
 //     Python code runs in the parent at the fork instant; the parent gives it back after the
-//     fork. In the child:
-//       - a thread that Python did not know (a C++ thread: Ensure made its thread state) keeps
-//         the GIL on the child's only thread, as CPython's os.fork() leaves it before
-//         PyOS_AfterFork_Child, which such a child must call before it runs Python;
-//       - a Python thread that had released the GIL (C++ code inside Py_BEGIN_ALLOW_THREADS)
-//         gives it back, so that its code takes it again where it released it; that code must
-//         then call PyOS_AfterFork_Child before it runs Python.
+//     fork. In the child (a thread that Python did not know, or C++ code on a Python thread
+//     inside Py_BEGIN_ALLOW_THREADS), the forking thread runs CPython's child bookkeeping
+//     (PyOS_AfterFork_Child: a fresh GIL, the other threads' states gone, the
+//     os.register_at_fork hooks) while it holds the GIL, then gives the GIL back: the child's
+//     code takes it where it needs it (PyGILState_Ensure, Py_END_ALLOW_THREADS) and runs Python
+//     at once. It must not call PyOS_AfterFork_Child again. Those hooks run before forksafe's
+//     other child handlers (the framework lock is released first): a hook must not use forksafe's
+//     pools or devices.
 //   - Before Python is initialized and once it is finalizing, the lock holds nothing and every
 //     call returns at once.
 //
@@ -72,8 +73,12 @@ class GilFrameworkLock final : public runtime::FrameworkLock {
 /// (then that lock stays, and this returns false). Call with the GIL held, at import.
 bool InstallGilFrameworkLock();
 
-/// Puts back the default framework lock if the GIL is installed (at interpreter exit).
+/// Puts back the default framework lock if the GIL is installed. Not called at interpreter exit:
+/// a fork on another thread may be using the lock, which holds nothing once Python finalizes.
 void UninstallGilFrameworkLock();
+
+/// Whether the calling thread holds the GIL (of any interpreter).
+bool ThisThreadHoldsTheGil();
 
 /// "gil", "default" or "custom": which framework lock the process uses.
 const char* FrameworkLockKind();

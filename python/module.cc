@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <memory>
@@ -63,7 +64,9 @@ struct Outcome {
   uint64_t generation = runtime::ForkGeneration();  // the process that submitted the task
   std::mutex mu;
   std::condition_variable cv;
-  bool done = false;                    // guarded by mu
+  // Set under mu, read without it too (in a forked child `mu` may be a copy held by a thread
+  // that does not exist there).
+  std::atomic<bool> done{false};
   py::object value;                     // touched with the GIL held only
   py::object error;                     // the exception instance, if the call raised
 };
@@ -89,10 +92,7 @@ class Future {
  public:
   explicit Future(std::shared_ptr<Outcome> o) : o_(std::move(o)) {}
 
-  bool done() const {
-    std::lock_guard<std::mutex> lk(o_->mu);
-    return o_->done;
-  }
+  bool done() const { return o_->done.load(); }
 
   // Waits (GIL released) for the outcome; TimeoutError (DeadlineExceededError) when `timeout`
   // seconds pass first.
@@ -108,9 +108,9 @@ class Future {
       std::unique_lock<std::mutex> lk(o_->mu);
       if (timeout.has_value()) {
         finished = o_->cv.wait_for(lk, std::chrono::duration<double>(*timeout),
-                                   [this] { return o_->done; });
+                                   [this] { return o_->done.load(); });
       } else {
-        o_->cv.wait(lk, [this] { return o_->done; });
+        o_->cv.wait(lk, [this] { return o_->done.load(); });
         finished = true;
       }
     }
@@ -162,17 +162,33 @@ void RunCall(const std::shared_ptr<Call>& call, const std::shared_ptr<Outcome>& 
   out->cv.notify_all();
 }
 
+// Destroys a pool on the thread that lets go of its last reference: with the GIL released (the
+// destructor joins workers that may be waiting for the GIL), and never on one of the pool's own
+// workers (it would wait for itself): there, on a thread of its own.
+void DestroyPool(runtime::ThreadPool* pool) {
+  if (pool->OnThisPoolsWorker()) {
+    std::thread([pool] { delete pool; }).detach();
+    return;
+  }
+  if (Py_IsInitialized() && ThisThreadHoldsTheGil()) {
+    py::gil_scoped_release nogil;
+    delete pool;
+    return;
+  }
+  delete pool;
+}
+
 // forksafe.ThreadPool: runtime::ThreadPool for Python callables. Every call that can wait (for
 // the pool's lock, which a fork holds, or for tasks) runs with the GIL released, on its own
-// reference to the pool, so that close() on another thread cannot free the pool under it; the
-// last reference goes with the GIL released (the destructor joins workers that may be waiting
-// for the GIL) and never on one of the pool's own workers (it would wait for itself).
+// reference to the pool, so that close() on another thread cannot free the pool under it.
 class PyThreadPool {
  public:
-  explicit PyThreadPool(std::shared_ptr<runtime::ThreadPool> pool) : pool_(std::move(pool)) {}
+  explicit PyThreadPool(const runtime::ThreadPoolOptions& options) {
+    py::gil_scoped_release nogil;  // registering waits for a fork in progress
+    pool_ = std::shared_ptr<runtime::ThreadPool>(new runtime::ThreadPool(options), &DestroyPool);
+  }
   PyThreadPool(const PyThreadPool&) = delete;
   PyThreadPool& operator=(const PyThreadPool&) = delete;
-  ~PyThreadPool() { Drop(std::move(pool_)); }
 
   bool closed() const { return !pool_; }
 
@@ -194,11 +210,8 @@ class PyThreadPool {
     auto call = GilDeleted(new Call{std::move(fn), py::tuple(args), py::dict(kwargs)});
     auto out = GilDeleted(new Outcome());
     std::shared_ptr<runtime::ThreadPool> p = get();
-    {
-      py::gil_scoped_release nogil;
-      p->Post([call, out] { RunCall(call, out); });
-      Drop(std::move(p));
-    }
+    py::gil_scoped_release nogil;
+    p->Post([call, out] { RunCall(call, out); });
     return Future(out);
   }
 
@@ -206,7 +219,6 @@ class PyThreadPool {
     std::shared_ptr<runtime::ThreadPool> p = get();
     py::gil_scoped_release nogil;
     p->Wait();
-    Drop(std::move(p));
   }
 
   // Runs what is queued, then joins the workers (once no other call still uses the pool).
@@ -218,7 +230,7 @@ class PyThreadPool {
     }
     std::shared_ptr<runtime::ThreadPool> p = std::move(pool_);
     py::gil_scoped_release nogil;
-    Drop(std::move(p));
+    p.reset();
   }
 
   // fn(pool) with the GIL released (the pool's lock may be held by a fork).
@@ -226,29 +238,10 @@ class PyThreadPool {
   auto Apply(Fn fn) const {
     std::shared_ptr<runtime::ThreadPool> p = get();
     py::gil_scoped_release nogil;
-    auto r = fn(*p);
-    Drop(std::move(p));
-    return r;
+    return fn(*p);
   }
 
  private:
-  // Releases a reference; if it is the last, the pool is destroyed here, or, on one of its own
-  // workers, on a thread of its own. Requires the GIL released, or held by a thread that no
-  // worker waits for (the destructor of the Python object: then no task is left that needs it).
-  static void Drop(std::shared_ptr<runtime::ThreadPool> p) {
-    if (!p) return;
-    if (p.use_count() == 1 && p->OnThisPoolsWorker()) {
-      std::thread([q = std::move(p)]() mutable { q.reset(); }).detach();
-      return;
-    }
-    if (p.use_count() == 1 && PyGILState_Check()) {
-      py::gil_scoped_release nogil;
-      p.reset();
-      return;
-    }
-    p.reset();
-  }
-
   std::shared_ptr<runtime::ThreadPool> pool_;
 };
 
@@ -304,10 +297,15 @@ py::dict ReportDict(const runtime::ForkReport& r) {
 
 void RaiseError(const Error& e) {
   const char* name = runtime::ErrorCodeName(e.code());
-  if (g_error_classes != nullptr && g_error_classes->contains(name)) {
-    py::object cls = (*g_error_classes)[name];
-    py::object exc = cls(e.message(), name);
-    PyErr_SetObject(cls.ptr(), exc.ptr());
+  try {
+    if (g_error_classes != nullptr && g_error_classes->contains(name)) {
+      py::object cls = (*g_error_classes)[name];
+      py::object exc = cls(e.message(), name);
+      PyErr_SetObject(cls.ptr(), exc.ptr());
+      return;
+    }
+  } catch (py::error_already_set& failed) {
+    failed.restore();  // building the exception failed (out of memory): raise that instead
     return;
   }
   PyErr_SetString(PyExc_RuntimeError, e.what());
@@ -392,19 +390,21 @@ PYBIND11_MODULE(_forksafe, m) {
       ReleaseGil());
 
   // For the tests: a fork made by a thread that Python does not know (a C++ thread of the
-  // process). The child's only thread must hold the GIL there (python/gil_lock.h); with
-  // `run_python`, it then calls PyOS_AfterFork_Child and runs Python code. Returns the child's
-  // exit status (0: as expected), or -1 if it outlived `timeout` seconds (it is killed).
+  // process). In the child, CPython's bookkeeping has run and the GIL is free
+  // (python/gil_lock.h); with `run_python`, the thread takes it and runs Python code. Returns the
+  // child's exit status (0: as expected), or -1 if it outlived `timeout` seconds (it is killed).
   m.def("_fork_from_a_cpp_thread_for_test", [](bool run_python, double timeout) {
     int result = -1;
     py::gil_scoped_release nogil;
     std::thread t([&] {
       const pid_t pid = fork();
       if (pid == 0) {
-        int code = PyGILState_Check() ? 0 : 2;
+        // The child's bookkeeping ran (python/gil_lock.h); the GIL is free for this thread.
+        int code = ThisThreadHoldsTheGil() ? 2 : 0;
         if (code == 0 && run_python) {
-          PyOS_AfterFork_Child();
+          PyGILState_STATE g = PyGILState_Ensure();
           code = PyRun_SimpleString("import forksafe\nassert sum(range(10)) == 45\n") == 0 ? 0 : 3;
+          PyGILState_Release(g);
         }
         _exit(code);
       }
@@ -417,9 +417,9 @@ PYBIND11_MODULE(_forksafe, m) {
   BindTensor(m);
 
   // For the tests: a fork made by this Python thread from C++ code that released the GIL. In the
-  // child the thread takes the GIL back where it released it (it must be free there), calls
-  // PyOS_AfterFork_Child and runs Python. Returns the child's exit status (0: as expected), or -1
-  // if it outlived `timeout` seconds (it is killed).
+  // child the thread takes the GIL back where it released it (it must be free there, and fresh:
+  // CPython's bookkeeping has run) and runs Python. Returns the child's exit status (0: as
+  // expected), or -1 if it outlived `timeout` seconds (it is killed).
   m.def("_fork_with_the_gil_released_for_test", [](double timeout) {
     pid_t pid;
     {
@@ -427,7 +427,6 @@ PYBIND11_MODULE(_forksafe, m) {
       pid = fork();
     }  // the child takes the GIL back here (PyEval_RestoreThread): it waits for ever if kept
     if (pid == 0) {
-      PyOS_AfterFork_Child();
       const int rc = PyRun_SimpleString("import forksafe\nassert sum(range(10)) == 45\n");
       _exit(rc == 0 ? 0 : 3);
     }
@@ -452,12 +451,7 @@ PYBIND11_MODULE(_forksafe, m) {
              o.name = name;
              o.drain_deadline = std::chrono::milliseconds(
                  static_cast<int64_t>(std::min(drain_deadline, 86400.0) * 1000));
-             std::shared_ptr<runtime::ThreadPool> pool;
-             {
-               py::gil_scoped_release nogil;  // registering waits for a fork in progress
-               pool = std::make_shared<runtime::ThreadPool>(o);
-             }
-             return new PyThreadPool(std::move(pool));
+             return new PyThreadPool(o);
            }),
            py::arg("num_threads") = 0, py::arg("name") = "python",
            py::arg("drain_deadline") = 2.0)

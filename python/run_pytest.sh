@@ -21,7 +21,8 @@ cp -L "$lib" "$work/forksafe/libforksafe.so.0"
 echo "python_test: $PYTHON ($("$PYTHON" -c 'import sys; print(sys.version.split()[0])')), package in $work"
 export PYTHONPATH="$work"
 export PYTHONDONTWRITEBYTECODE=1
-# faulthandler_timeout: pytest prints every thread's stack when a test runs 100 s (on the real
-# stderr); conftest.py's watchdog then ends the interpreter at 150 s.
-exec "$PYTHON" -m pytest -p no:cacheprovider -q -rs -o faulthandler_timeout=100 \
+# Descriptor 3 is the test's real stderr, kept for conftest.py's watchdog (pytest captures 2).
+exec 3>&2
+export FORKSAFE_PYTEST_STACKS_FD=3
+exec "$PYTHON" -m pytest -p no:cacheprovider -q -rs \
   ${XML_OUTPUT_FILE:+--junitxml="$XML_OUTPUT_FILE"} python/tests

@@ -98,15 +98,17 @@ Tensor AdoptCapsule(py::handle capsule) {
     py::gil_scoped_acquire gil;
     original->deleter(original);
   };
+  // Consumed from here on (before the GIL goes: another thread must not adopt it too).
+  PyCapsule_SetName(capsule.ptr(), "used_dltensor");
   Tensor t;
   try {
     py::gil_scoped_release nogil;  // as in Create
     t = device::FromDLPack(wrapper);
   } catch (...) {
-    delete wrapper;  // FromDLPack took nothing; the capsule still owns `managed`
+    delete wrapper;  // FromDLPack took nothing: the capsule owns `managed` again
+    PyCapsule_SetName(capsule.ptr(), "dltensor");
     throw;
   }
-  PyCapsule_SetName(capsule.ptr(), "used_dltensor");
   return t;
 }
 
@@ -146,6 +148,8 @@ int GuardedGetBuffer(PyObject* obj, Py_buffer* view, int flags) {
     RaiseError(e);
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_BufferError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_BufferError, "forksafe.Tensor: the buffer could not be made");
   }
   if (view != nullptr) view->obj = nullptr;
   return -1;
@@ -196,7 +200,13 @@ void BindTensor(py::module_& m) {
       .def(
           "__dlpack__",
           [](const Tensor& t, py::object stream) {
-            (void)stream;  // forksafe's device work is ordered on the device's own stream
+            (void)stream;
+            if (!t.device().is_cpu()) {
+              // The consumer reads on its own stream: what forksafe queued on the device (a
+              // Zeros' fill, a copy) must be done first.
+              py::gil_scoped_release nogil;
+              device::Synchronize(t.device());
+            }
             DLManagedTensor* managed = device::ToDLPack(t);
             PyObject* capsule = PyCapsule_New(managed, "dltensor", &DeleteUnconsumedCapsule);
             if (capsule == nullptr) {

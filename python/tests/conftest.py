@@ -15,12 +15,16 @@ import traceback
 import pytest
 
 
+_fd = int(os.environ.get("FORKSAFE_PYTEST_STACKS_FD", "2"))
+_WATCHDOG_OUT = os.fdopen(os.dup(_fd), "w")
+
+
 @pytest.fixture(autouse=True)
 def watchdog():
-    """Every test ends within 150 s: past that the interpreter exits (a hang inside os.fork in
-    the parent cannot be bounded any other way); pytest's faulthandler_timeout (run_pytest.sh)
-    has printed every thread's stack at 100 s."""
-    faulthandler.dump_traceback_later(150, exit=True)
+    """Every test ends within 120 s: past that every thread's stack is printed and the
+    interpreter exits (a hang inside os.fork in the parent cannot be bounded any other way). The
+    stacks go to the descriptor run_pytest.sh kept for them (pytest captures stderr)."""
+    faulthandler.dump_traceback_later(120, exit=True, file=_WATCHDOG_OUT)
     yield
     faulthandler.cancel_dump_traceback_later()
 

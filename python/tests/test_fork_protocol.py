@@ -136,11 +136,11 @@ def test_queued_tasks_stay_with_the_parent_and_the_childs_pool_is_fresh():
 
         def child():
             seen = len(ran)
-            time.sleep(0.1)
+            if pool.submit(pow, 2, 5).result(10) != 32:  # starts the child's own worker
+                return 3
+            pool.wait()
             if len(ran) != seen:  # a parent task ran here
                 return 2
-            if pool.submit(pow, 2, 5).result(10) != 32:
-                return 3
             return 0 if pool.stats()["rebuilt_in_child"] == 1 else 4
 
         assert run_forked(child) == 0
@@ -204,9 +204,10 @@ def test_importing_forksafe_makes_torchs_forks_safe_for_openmp(order):
 
 
 @pytest.mark.parametrize("run_python", [False, True])
-def test_a_fork_from_a_cpp_thread_takes_the_gil_and_the_child_keeps_it(run_python):
-    # A Python thread keeps running bytecode meanwhile: the fork must wait for the GIL, then the
-    # child's only thread holds it (and, after PyOS_AfterFork_Child, runs Python).
+def test_a_fork_from_a_cpp_thread_takes_the_gil_and_the_child_runs_python(run_python):
+    # A Python thread keeps running bytecode meanwhile (and asking for the GIL): the fork must wait
+    # for the GIL; in the child CPython's bookkeeping has run, the GIL is free and fresh, and the
+    # thread can take it and run Python.
     stop = threading.Event()
     spins = [0]
 
@@ -261,27 +262,44 @@ def test_forksafe_calls_on_other_threads_never_wedge_a_fork():
 
 def test_a_fork_from_a_python_thread_that_released_the_gil():
     # C++ code on a Python thread forks with the GIL released: the child's thread takes the GIL
-    # back where it released it (it hung there before: the child kept the GIL the fork took).
-    for _ in range(3):
-        assert forksafe._forksafe._fork_with_the_gil_released_for_test(20.0) == 0
+    # back where it released it (it hung there before: the child kept the GIL the fork took), also
+    # while another thread keeps asking for the GIL (its drop request is copied into the child).
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            sum(range(100))
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        for _ in range(10):
+            assert forksafe._forksafe._fork_with_the_gil_released_for_test(20.0) == 0
+    finally:
+        stop.set()
+        t.join(10)
 
 
 def test_a_parent_tasks_future_in_the_child_fails_instead_of_waiting_for_ever():
     gate = threading.Event()
-    with forksafe.ThreadPool(1, name="futures") as pool:
+    # drain_deadline=0: the fork does not wait for the running task, so `queued` cannot have run.
+    with forksafe.ThreadPool(1, name="futures", drain_deadline=0.0) as pool:
         running = pool.submit(gate.wait, 30)
         queued = pool.submit(int, "5")
-        time.sleep(0.05)
-        threading.Timer(0.2, gate.set).start()
 
         def child():
+            if queued.done():
+                return 3
             try:
                 queued.result()  # no timeout: it would wait for ever
             except forksafe.FailedPreconditionError as e:
                 return 0 if "parent" in str(e) else 2
-            return 0  # it ran before the fork: its result came along
+            return 1
 
-        assert run_forked(child) == 0
+        try:
+            assert run_forked(child) == 0
+        finally:
+            gate.set()
         assert running.result(30) is True and queued.result(30) == 5
 
 
@@ -290,14 +308,16 @@ def test_closing_a_pool_from_its_own_task_is_an_error_and_dropping_it_there_is_s
     with pytest.raises(forksafe.FailedPreconditionError, match="own tasks"):
         pool.submit(pool.close).result(10)
     holder = [pool]
-    done = threading.Event()
+    go, done = threading.Event(), threading.Event()
 
     def drop_last_reference():
-        holder.clear()
+        go.wait(10)  # until the main thread holds no reference of its own
+        holder.clear()  # the last reference goes on the pool's own worker
         done.set()
 
     del pool
     f = holder[0].submit(drop_last_reference)
+    go.set()
     assert done.wait(10)
     assert f.result(10) is None
     del f

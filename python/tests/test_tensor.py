@@ -1,6 +1,7 @@
 """forksafe.Tensor with numpy and torch: DLPack both ways and the buffer protocol, no copies
 (python/tensor.cc)."""
 import gc
+import sys
 
 import numpy as np
 import pytest
@@ -40,8 +41,10 @@ def test_a_strided_view_keeps_its_strides():
     assert np.asarray(t).tolist() == [1.0, 5.0, 9.0]
 
 
-def test_from_dlpack_shares_a_numpy_arrays_memory_and_keeps_it_alive():
+def test_from_dlpack_shares_a_numpy_arrays_memory_keeps_it_alive_and_lets_it_go():
     a = np.arange(6, dtype=np.int64)
+    keep = a.base if a.base is not None else a
+    refs = sys.getrefcount(keep)
     t = forksafe.from_dlpack(a)
     assert t.dtype == "int64" and t.shape == (6,)
     a[0] = 42
@@ -49,6 +52,9 @@ def test_from_dlpack_shares_a_numpy_arrays_memory_and_keeps_it_alive():
     del a
     gc.collect()
     assert np.asarray(t).tolist() == [42, 1, 2, 3, 4, 5]  # the array lives as long as t
+    del t
+    gc.collect()
+    assert sys.getrefcount(keep) == refs - 1, "the producer's array was not given back"
 
 
 def test_numpy_from_dlpack_of_a_forksafe_tensor():
@@ -89,11 +95,14 @@ def test_bad_input_is_a_clear_error():
 
 
 def test_an_unconsumed_capsule_gives_the_tensor_back():
-    t = forksafe.Tensor.zeros([1000])
-    for _ in range(1000):
+    a = np.zeros(1000)
+    refs = sys.getrefcount(a)
+    t = forksafe.from_dlpack(a)  # holds one reference to `a` until its memory is let go
+    for _ in range(100):
         t.__dlpack__()  # dropped at once: the capsule's destructor releases the export
+    del t
     gc.collect()
-    assert np.asarray(t).sum() == 0
+    assert sys.getrefcount(a) == refs, "an export that nobody consumed was never released"
 
 
 def test_a_tensor_is_readable_in_a_forked_child():

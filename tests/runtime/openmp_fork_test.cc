@@ -141,6 +141,15 @@ TEST(OpenMpForkTest, WithoutThePauseTheChildHangsWithItItRuns) {
 // FORKSAFE_OPENMP_STORM_BYPASS=1 runs it without the handler's pause, with 2 s child deadlines,
 // to measure the defect (it then fails): see docs/guide.md, "OpenMP".
 TEST(OpenMpForkTest, ForkStormWhileOtherThreadsRunRegions) {
+#if defined(__SANITIZE_ADDRESS__)
+  // gcc 12's AddressSanitizer does not lock its allocator around fork(). Here libgomp starts
+  // threads all the time (every fork's pause ends its pools), and a thread starting under ASan
+  // allocates: a child forked meanwhile inherits the allocator's region lock held and hangs in
+  // its first allocation (seen in CI: 1 child in 60; here 1 in about 1,700 forks under load, gdb:
+  // every thread of the child in SizeClassAllocator64::GetFromAllocator). The plain and ubsan
+  // runs fork 300 times; the other OpenMP cases run under ASan too.
+  GTEST_SKIP() << "gcc 12's ASan allocator is not fork-safe while threads start (see the comment)";
+#endif
   int forks = 300;
   if (const char* v = std::getenv("FORKSAFE_STORM_FORKS")) forks = std::max(2, std::atoi(v));
   const char* bypass_env = std::getenv("FORKSAFE_OPENMP_STORM_BYPASS");
