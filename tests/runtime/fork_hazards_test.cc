@@ -462,6 +462,14 @@ TEST_F(ForkHazardsTest, AThreadLocalPoolOfAVanishedThreadIsForgottenInTheChild) 
 // another thread forks; each child starts threads on the vanished stacks and forks again.
 TEST_F(ForkHazardsTest, RegistrationChurnWhileForkingLeavesNoDanglingHandlerInChildren) {
   SKIP_UNDER_TSAN();
+#if defined(__SANITIZE_ADDRESS__)
+  // gcc 12's AddressSanitizer does not lock its allocator around fork(), and the churners start
+  // pool threads all the time (a starting ASan thread allocates): a child inherited the
+  // allocator's region lock held and hung in its own threads' first allocation (CI 2026-11-25:
+  // 1 child in 60; here 1 run in 13 under load, gdb: every thread of the child in
+  // SizeClassAllocator64::GetFromAllocator). The plain and ubsan runs fork 200 times.
+  GTEST_SKIP() << "gcc 12's ASan allocator is not fork-safe while threads start (see the comment)";
+#endif
   const char* env = getenv("FORKSAFE_STORM_FORKS");
   const int forks = std::min(200, env != nullptr ? std::max(10, atoi(env)) : 200);
   std::atomic<bool> stop{false};
