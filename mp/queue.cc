@@ -265,9 +265,33 @@ void RingBell(int bell_w) noexcept {
 // How long a getter that finds the queue empty spins (yielding) before it sleeps on the bell.
 constexpr std::chrono::microseconds kSpinBeforeSleep{50};
 
+// After the queue's lock was recovered from a process that died holding it: that process may
+// have died between a commit of the ring (head or tail moved) and the count that goes with it,
+// so the count is taken again from the committed records, and a JoinableQueue's unfinished count
+// is never below it. A ring that does not parse is left alone (the next get reports it).
+// Requires the lock held.
+void RecountAfterOwnerDied(internal::QueueShared* h, const char* ring, uint64_t cap) {
+  int64_t n = 0;
+  try {
+    for (uint64_t at = h->tail; at < h->head; ++n) {
+      at += internal::ParseQueueRecord(ring, cap, h->head, at, Connection::kMaxDescriptors).span;
+    }
+  } catch (const Error&) {
+    return;
+  }
+  __atomic_store_n(&h->count, n, __ATOMIC_RELEASE);
+  if (h->unfinished < n) h->unfinished = n;
+}
+
+// Takes the queue's lock for good (no deadline), recounting if its holder had died.
+void LockQueue(internal::QueueShared* h, const char* ring, uint64_t cap) {
+  if (h->mu.Lock() == internal::LockResult::kOwnerDied) RecountAfterOwnerDied(h, ring, cap);
+}
+
 // Called and returns with the queue's lock held. Returns after a ring, a signal, the deadline,
 // or when an item arrived during the spin.
-void SleepOnBell(internal::QueueShared* h, int bell_r, internal::Deadline deadline) {
+void SleepOnBell(internal::QueueShared* h, const char* ring, uint64_t cap, int bell_r,
+                 internal::Deadline deadline) {
   // First a short spin, yielding, without the lock. Across two vCPUs the cost of a round trip was
   // waking a vCPU that had gone idle (tens of microseconds on a VM, whatever the wake-up: futex,
   // pipe or socket); a getter that yields for a few tens of microseconds keeps its vCPU busy, so
@@ -279,7 +303,7 @@ void SleepOnBell(internal::QueueShared* h, int bell_r, internal::Deadline deadli
   while (__atomic_load_n(&h->count, __ATOMIC_ACQUIRE) == 0 && internal::Clock::now() < spin_until) {
     sched_yield();
   }
-  h->mu.Lock();  // a recovered lock (owner died) is fine: see QueueLock
+  LockQueue(h, ring, cap);
   if (h->count > 0) return;
 
   timespec ts{};
@@ -301,14 +325,17 @@ void SleepOnBell(internal::QueueShared* h, int bell_r, internal::Deadline deadli
     }
   }
   __atomic_sub_fetch(&h->get_sleepers, 1, __ATOMIC_ACQ_REL);
-  h->mu.Lock();  // a recovered lock (owner died) is fine: see QueueLock
+  LockQueue(h, ring, cap);
 }
 
 // Holds the queue's shared mutex; a recovered lock (owner died) is fine: see the file comment.
 class QueueLock {
  public:
-  QueueLock(internal::QueueShared* h, internal::Deadline deadline) : h_(h) {
-    held_ = h_->mu.Lock(deadline) != internal::LockResult::kTimedOut;
+  QueueLock(internal::QueueShared* h, const char* ring, uint64_t cap, internal::Deadline deadline)
+      : h_(h) {
+    const internal::LockResult r = h_->mu.Lock(deadline);
+    held_ = r != internal::LockResult::kTimedOut;
+    if (r == internal::LockResult::kOwnerDied) RecountAfterOwnerDied(h, ring, cap);
   }
   ~QueueLock() { Release(); }
   /// Unlocks early (idempotent), so that a wake-up is not sent to a process that would then
@@ -410,7 +437,7 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
   for (const FileDescriptor& f : msg.fds) fds.push_back(f.get());
   const std::vector<uint64_t> keys = BatchKeys(msg.fds);
 
-  QueueLock lock(h, deadline);
+  QueueLock lock(h, s.ring(), cap, deadline);
   if (!lock.held()) throw Full("Queue::put: timed out waiting for the queue's lock");
   for (;;) {
     const bool room_by_count = h->maxsize <= 0 || h->count < h->maxsize;
@@ -445,7 +472,9 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
             }
             auto until = internal::Clock::now() + std::chrono::milliseconds(2);
             if (deadline.has_value() && *deadline < until) until = *deadline;
-            h->not_full.Wait(h->mu, until);
+            bool died = false;
+            h->not_full.Wait(h->mu, until, &died);
+            if (died) RecountAfterOwnerDied(h, s.ring(), cap);
             continue;
           }
           rec.seq = seq;
@@ -480,7 +509,9 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
                 : std::string("Queue::put_nowait: "),
           FullBecause(room_by_count, h->count, h->maxsize, cap, h->head - h->tail, need)));
     }
-    h->not_full.Wait(h->mu, deadline);
+    bool died = false;
+    h->not_full.Wait(h->mu, deadline, &died);
+    if (died) RecountAfterOwnerDied(h, s.ring(), cap);
   }
 }
 
@@ -490,7 +521,7 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
       block ? internal::DeadlineAfter(timeout, "Queue::get") : internal::Clock::now();
   internal::QueueShared* h = s.hdr();
   const uint64_t cap = s.cap;
-  QueueLock lock(h, deadline);
+  QueueLock lock(h, s.ring(), cap, deadline);
   if (!lock.held()) throw Empty("Queue::get: timed out waiting for the queue's lock");
   internal::QueueRecord rec;
   for (;;) {
@@ -499,7 +530,7 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
         throw Empty(block ? absl::StrCat("Queue::get: nothing arrived within ", timeout->count(), " s")
                           : std::string("Queue::get_nowait: the queue is empty"));
       }
-      SleepOnBell(h, s.bell_r.get(), deadline);
+      SleepOnBell(h, s.ring(), cap, s.bell_r.get(), deadline);
     }
     rec = internal::ParseQueueRecord(s.ring(), cap, h->head, h->tail, Connection::kMaxDescriptors);
     if (rec.nfds > 0 && rec.seq <= h->taken_seq) {
@@ -563,6 +594,7 @@ void JoinableQueue::task_done() {
   State& s = Live("JoinableQueue::task_done");
   internal::QueueShared* h = s.hdr();
   internal::RobustLockGuard g(h->mu);
+  if (g.owner_died()) RecountAfterOwnerDied(h, s.ring(), s.cap);
   if (h->unfinished - h->count <= 0) {
     throw Error(ErrorCode::kFailedPrecondition,
                 "JoinableQueue::task_done called more times than there were items gotten");
@@ -575,8 +607,12 @@ bool JoinableQueue::join(Timeout timeout) {
   const internal::Deadline deadline = internal::DeadlineAfter(timeout, "JoinableQueue::join");
   internal::QueueShared* h = s.hdr();
   internal::RobustLockGuard g(h->mu);
+  if (g.owner_died()) RecountAfterOwnerDied(h, s.ring(), s.cap);
   while (h->unfinished > 0) {
-    if (!h->all_done.Wait(h->mu, deadline)) return h->unfinished == 0;
+    bool died = false;
+    const bool woke = h->all_done.Wait(h->mu, deadline, &died);
+    if (died) RecountAfterOwnerDied(h, s.ring(), s.cap);
+    if (!woke) return h->unfinished == 0;
   }
   return true;
 }

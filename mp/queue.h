@@ -43,7 +43,11 @@
 //   - Putting and getting in the same process works; so does forwarding a received value to
 //     another queue.
 //   - A process killed while holding the queue's lock cannot wedge it: the next process to lock it
-//     recovers (robust mutex); a message whose put had not completed is simply not there.
+//     recovers (robust mutex); a message whose put had not completed is simply not there, and
+//     the message count is taken again from the committed records (a process killed between
+//     committing the ring and counting had left them apart: a later get returned an old message
+//     after empty() said true). qsize() and empty() read the count without the lock: until some
+//     call has taken the lock after such a death, they may be one off.
 //   - FIFO across all producers (the order in which put() calls took the lock).
 //   - Fork: inherited as is. Spawn/forkserver: pass the Queue as a Process argument.
 //   - Thread safety: all methods may be called from any thread of any process.
