@@ -88,22 +88,27 @@ bool RuntimeMissing(const std::string& error) {
   }                                                                                           \
   ASSERT_NE(g_sum, nullptr) << error
 
-int ChildRunsARegion() {
-  if (!OpenMpUsableInThisProcess()) return 2;
-  const int code = g_sum(20000, 4) == Expected(20000) ? 0 : 1;
-  // LLVM libomp registers each process in /dev/shm ("__KMP_REGISTERED_LIB_<pid>_<uid>") and
-  // removes the entry only at a normal exit; this child leaves with _exit (RunInChild), so it
-  // removes its own (the storm left one per child before). GNU libgomp makes none: ENOENT.
+// LLVM libomp registers each process in /dev/shm ("__KMP_REGISTERED_LIB_<pid>_<uid>") and
+// removes the entry only at a normal exit; a child that leaves with _exit (RunInChild) removes
+// its own (the storm left one per child before). GNU libgomp makes none: ENOENT. Returns `code`.
+int ForgetLibompRegistration(int code) {
   const std::string entry = "/__KMP_REGISTERED_LIB_" + std::to_string(getpid()) + "_" +
                             std::to_string(getuid());
   shm_unlink(entry.c_str());
   return code;
 }
 
+int ChildRunsARegion() {
+  if (!OpenMpUsableInThisProcess()) return 2;
+  const int code = g_sum(20000, 4) == Expected(20000) ? 0 : 1;
+  return ForgetLibompRegistration(code);
+}
+
 TEST(OpenMpDlopenTest, NoOpenMpBeforeThePluginThenFoundOutsideTheGlobalScope) {
   if (g_sum == nullptr) {
     EXPECT_TRUE(LoadedOpenMpRuntimes().empty()) << "this binary must not link OpenMP";
-    auto child = RunInChild([] { return OpenMpUsableInThisProcess() ? 0 : 1; }, 30s, 30);
+    auto child = RunInChild(
+        [] { return ForgetLibompRegistration(OpenMpUsableInThisProcess() ? 0 : 1); }, 30s, 30);
     EXPECT_TRUE(child.ok()) << child.Describe();
   }
   LOAD_PLUGIN_OR_SKIP();
@@ -221,9 +226,10 @@ struct RegionFork {
 
 void ForkInRegion(void* arg) {
   const ChildResult r = RunInChild([] {
-    if (OpenMpUsableInThisProcess()) return 1;
-    const ChildResult g = RunInChild([] { return OpenMpUsableInThisProcess() ? 1 : 0; }, 20s, 20);
-    return g.ok() ? 0 : 2;
+    if (OpenMpUsableInThisProcess()) return ForgetLibompRegistration(1);
+    const ChildResult g = RunInChild(
+        [] { return ForgetLibompRegistration(OpenMpUsableInThisProcess() ? 1 : 0); }, 20s, 20);
+    return ForgetLibompRegistration(g.ok() ? 0 : 2);
   }, 30s, 30);
   static_cast<RegionFork*>(arg)->status =
       r.ok() ? 0 : r.timed_out ? 3 : (r.exited ? r.exit_code : 4);
