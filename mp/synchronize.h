@@ -466,6 +466,9 @@ class Barrier {
   void reset();
   /// Breaks the barrier: current and future waiters throw kFailedPrecondition until reset().
   void abort();
+  /// Sets the action this handle runs when its process arrives last (nullptr: none). Actions
+  /// are per process and do not travel: a decoded Barrier has none until it is given one.
+  void set_action(std::function<void()> action) { action_ = std::move(action); }
   /// The number of parties needed to complete a cycle.
   int parties() const;
   /// The number of parties waiting in the current cycle.

@@ -34,6 +34,7 @@
 #include "forksafe/version.h"
 #include "python/errors.h"
 #include "python/gil_lock.h"
+#include "python/mp.h"
 #include "python/tensor.h"
 
 namespace py = pybind11;
@@ -433,6 +434,8 @@ PYBIND11_MODULE(_forksafe, m) {
     py::gil_scoped_release nogil;
     return pid < 0 ? -2 : WaitBounded(pid, timeout);
   });
+
+  BindMp(m);
 
   py::class_<Future>(m, "Future")
       .def("done", &Future::done)

@@ -31,19 +31,6 @@ constexpr DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kInt32,
                                 DType::kInt64,   DType::kUInt8,   DType::kBool,
                                 DType::kFloat16, DType::kBFloat16};
 
-// "float32", "int64", ... (torch's and numpy's names; "float" and "double" too).
-DType ParseDType(const std::string& name) {
-  if (name == "float") return DType::kFloat32;
-  if (name == "double") return DType::kFloat64;
-  if (name == "half") return DType::kFloat16;
-  for (DType d : kAllDTypes) {
-    if (name == device::DTypeName(d)) return d;
-  }
-  std::string known;
-  for (DType d : kAllDTypes) known += std::string(known.empty() ? "" : ", ") + device::DTypeName(d);
-  throw Error(ErrorCode::kInvalidArgument,
-              "unknown dtype \"" + name + "\"; use one of " + known);
-}
 
 // The struct-module format of a dtype for the buffer protocol; bfloat16 has none.
 const char* BufferFormat(DType d) {
@@ -157,6 +144,20 @@ int GuardedGetBuffer(PyObject* obj, Py_buffer* view, int flags) {
 
 }  // namespace
 
+// "float32", "int64", ... (torch's and numpy's names; "float" and "double" too).
+DType ParseDType(const std::string& name) {
+  if (name == "float") return DType::kFloat32;
+  if (name == "double") return DType::kFloat64;
+  if (name == "half") return DType::kFloat16;
+  for (DType d : kAllDTypes) {
+    if (name == device::DTypeName(d)) return d;
+  }
+  std::string known;
+  for (DType d : kAllDTypes) known += std::string(known.empty() ? "" : ", ") + device::DTypeName(d);
+  throw Error(ErrorCode::kInvalidArgument,
+              "unknown dtype \"" + name + "\"; use one of " + known);
+}
+
 void BindTensor(py::module_& m) {
   py::class_<Tensor> cls(m, "Tensor", py::buffer_protocol());
   cls
@@ -190,6 +191,7 @@ void BindTensor(py::module_& m) {
       .def("numel", &Tensor::numel)
       .def("is_contiguous", &Tensor::is_contiguous)
       .def("is_shared", &Tensor::is_shared)
+      .def("_storage_use_count", [](const Tensor& t) { return t.storage().use_count(); })
       .def("data_ptr", [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()); })
       .def("contiguous", &Tensor::Contiguous, py::call_guard<py::gil_scoped_release>())
       .def("clone", &Tensor::Clone, py::call_guard<py::gil_scoped_release>())

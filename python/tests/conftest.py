@@ -29,6 +29,23 @@ def watchdog():
     faulthandler.cancel_dump_traceback_later()
 
 
+@pytest.fixture(autouse=True)
+def no_children_left():
+    """Every multiprocessing child a test started has ended when it returns: one still alive
+    5 s after is killed by its pid and fails the test (a leaked Pool worker, say)."""
+    import multiprocessing
+    yield
+    deadline = time.monotonic() + 5
+    left = multiprocessing.active_children()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = multiprocessing.active_children()
+    for p in left:
+        p.kill()
+        p.join()
+    assert not left, f"processes left running by the test: {[(p.name, p.pid) for p in left]}"
+
+
 def run_forked(fn, timeout=20.0):
     """Forks; the child runs fn() and exits with its return value (0 when None, 101 when it
     raised). Returns the child's exit code; fails the test if it outlives `timeout` seconds."""

@@ -513,6 +513,25 @@ TEST(BarrierTest, ArgumentsDefaultTimeoutAndSingleParty) {
   EXPECT_TRUE(two.broken());
 }
 
+TEST(BarrierTest, ADecodedBarrierRunsOnlyTheActionItIsGiven) {
+  int original = 0;
+  Barrier barrier(1, [&] { ++original; });
+  Message msg = Encode(barrier);
+  Barrier decoded(1);
+  Decode(msg, decoded);
+  EXPECT_EQ(decoded.wait(), 0);  // actions do not travel
+  EXPECT_EQ(original, 0);
+  int local = 0;
+  decoded.set_action([&] { ++local; });
+  EXPECT_EQ(decoded.wait(), 0);
+  EXPECT_EQ(local, 1);
+  decoded.set_action(nullptr);
+  EXPECT_EQ(decoded.wait(), 0);
+  EXPECT_EQ(local, 1);
+  EXPECT_EQ(barrier.wait(), 0);  // the original keeps its own
+  EXPECT_EQ(original, 1);
+}
+
 TEST(BarrierTest, ThrowingActionBreaksItAndReachesTheLastParty) {
   Barrier barrier(2, [] { throw Error(ErrorCode::kInternal, "action failed"); });
   auto child = StartChild([&] {

@@ -1,0 +1,634 @@
+"""Pool: a pool of worker processes (multiprocessing.Pool's API) that never hangs on a dead
+worker.
+
+How it works: each worker has a Pipe of its own; one handler thread in the parent dispatches a
+chunk of work to a worker only when that worker is idle, reads results, and watches the workers'
+sentinels. So the parent always knows which chunk each worker holds:
+- a worker that dies (a crash, SIGKILL, os._exit) fails exactly its chunk's result with
+  forksafe.ProcessFailedError (multiprocessing's and torch's Pools wait for ever there), and is
+  replaced while the pool runs;
+- imap and imap_unordered read their input lazily: a chunk is taken from the iterable only when
+  a worker is free for it (multiprocessing reads it all up front);
+- a worker whose initializer raises fails the pending results with that error and the pool
+  stops starting workers (multiprocessing restarts them for ever).
+Arguments and results are pickled by forksafe's pickler: numpy arrays and torch tensors cross
+through shared memory. Callbacks run on the handler thread; they must not block.
+"""
+
+import atexit
+import collections
+import itertools
+import os
+import signal
+import threading
+import weakref
+from multiprocessing import TimeoutError as _stdlib_TimeoutError
+from multiprocessing import connection as _stdlib_connection
+from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
+
+from ..errors import ProcessFailedError
+from .connection import Pipe
+from .reduction import close_fds, dumps
+
+__all__ = ["Pool", "ApplyResult", "AsyncResult", "MapResult", "IMapIterator"]
+
+_RUN, _CLOSE, _TERMINATE = "RUN", "CLOSE", "TERMINATE"
+
+
+def _worker(conn, initializer, initargs, maxtasks):
+    """A pool worker's main: initializer, then tasks from `conn` until None, EOF or maxtasks."""
+    try:
+        if initializer is not None:
+            initializer(*initargs)
+    except BaseException as e:
+        conn.send(("init_error", ExceptionWithTraceback(e, e.__traceback__)))
+        return
+    conn.send(("ready", os.getpid()))
+    parent = os.getppid()
+    done = 0
+    while maxtasks is None or done < maxtasks:
+        try:
+            # A worker whose parent died (SIGKILL, os._exit) ends: its pipe may never report
+            # end-of-stream, as forked siblings hold copies of the parent's ends.
+            while not conn.poll(1.0):
+                if os.getppid() != parent:
+                    return
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        func, star, chunk = task
+        try:
+            result = (True, [func(*a) if star else func(a) for a in chunk])
+        except BaseException as e:
+            result = (False, ExceptionWithTraceback(e, e.__traceback__))
+        try:
+            conn.send(("result", result))
+        except Exception as e:
+            conn.send(("result", (False, MaybeEncodingError(e, result[1]))))
+        done += 1
+
+
+class ApplyResult:
+    """The result of apply_async (multiprocessing.pool.AsyncResult)."""
+
+    def __init__(self, pool, callback, error_callback):
+        self._pool = pool
+        self._event = threading.Event()
+        self._callback = callback
+        self._error_callback = error_callback
+        self._value = None
+        self._success = None
+
+    def ready(self):
+        return self._event.is_set()
+
+    def successful(self):
+        if not self.ready():
+            raise ValueError(f"{self!r} not ready")
+        return self._success
+
+    def wait(self, timeout=None):
+        self._event.wait(timeout)
+
+    def get(self, timeout=None):
+        """The result; re-raises the task's exception; TimeoutError when not ready in time."""
+        self.wait(timeout)
+        if not self.ready():
+            raise _stdlib_TimeoutError(f"the result was not ready within {timeout} s")
+        if self._success:
+            return self._value
+        raise self._value
+
+    # Called on the handler thread, once per chunk (one chunk here).
+    def _set(self, index, ok, value):
+        if self.ready():
+            return
+        self._success, self._value = ok, (value[0] if ok else value)
+        self._finish()
+
+    def _finish(self):
+        try:
+            if self._success and self._callback is not None:
+                self._callback(self._value)
+            elif not self._success and self._error_callback is not None:
+                self._error_callback(self._value)
+        finally:
+            self._event.set()
+            self._pool._job_done(self)
+
+
+AsyncResult = ApplyResult
+
+
+class MapResult(ApplyResult):
+    """The result of map_async/starmap_async: a list in input order."""
+
+    def __init__(self, pool, length, callback, error_callback):
+        super().__init__(pool, callback, error_callback)
+        self._parts = {}
+        self._expected = None  # number of chunks, once the input is split
+        self._length = length
+
+    def _set(self, index, ok, value):
+        if self.ready():
+            return
+        if not ok:
+            self._success, self._value = False, value
+            self._finish()
+            return
+        self._parts[index] = value
+        if self._expected is not None and len(self._parts) == self._expected:
+            self._success = True
+            self._value = list(itertools.chain.from_iterable(
+                self._parts[i] for i in range(self._expected)))
+            self._finish()
+
+    def _input_ended(self, chunks):
+        self._expected = chunks
+        if not self.ready() and len(self._parts) == chunks:
+            self._success = True
+            self._value = list(itertools.chain.from_iterable(
+                self._parts[i] for i in range(chunks)))
+            self._finish()
+
+
+class IMapIterator:
+    """The iterator imap returns: results in input order, next(timeout) as multiprocessing."""
+
+    def __init__(self, pool, ordered):
+        self._pool = pool
+        self._ordered = ordered
+        self._cond = threading.Condition()
+        self._items = collections.deque()  # chunks ready for the consumer
+        self._current = collections.deque()  # results of the chunk being consumed
+        self._taken = 0  # chunks handed to the consumer
+        self._parts = {}
+        self._next_index = 0
+        self._expected = None
+        self._received = 0
+
+    def __iter__(self):
+        return self
+
+    def next(self, timeout=None):
+        with self._cond:
+            while True:
+                if self._current:
+                    return self._current.popleft()
+                if self._items:
+                    ok, value = self._items.popleft()
+                    self._taken += 1  # a chunk handed to the consumer: the pool may read on
+                    self._pool._wake()
+                    if not ok:
+                        raise value
+                    self._current.extend(value)
+                    continue
+                if self._expected is not None and self._received == self._expected:
+                    raise StopIteration
+                if not self._cond.wait(timeout):
+                    raise _stdlib_TimeoutError(f"no result within {timeout} s")
+
+    __next__ = next
+
+    # Handler thread.
+    def _set(self, index, ok, value):
+        with self._cond:
+            self._received += 1
+            if self._ordered:
+                self._parts[index] = (ok, value)
+                while self._next_index in self._parts:
+                    ok2, v2 = self._parts.pop(self._next_index)
+                    self._push(ok2, v2)
+                    self._next_index += 1
+            else:
+                self._push(ok, value)
+            self._cond.notify_all()
+        self._maybe_done()
+
+    def _push(self, ok, value):
+        self._items.append((ok, value))  # one entry per chunk (a list of results, or an error)
+
+    def _input_ended(self, chunks):
+        with self._cond:
+            self._expected = chunks
+            self._cond.notify_all()
+        self._maybe_done()
+
+    def _maybe_done(self):
+        if self._expected is not None and self._received == self._expected:
+            self._pool._job_done(self)
+
+    def ready(self):
+        return self._expected is not None and self._received == self._expected
+
+
+class _Job:
+    """Chunks of one call waiting for workers: (index, chunk) from an iterator."""
+
+    def __init__(self, result, func, star, chunks):
+        self.result = result
+        self.func = func
+        self.star = star
+        self.chunks = chunks  # iterator of lists
+        self.next_index = 0
+        self.ended = False
+
+
+class _WorkerSlot:
+    def __init__(self, process, conn):
+        self.process = process
+        self.conn = conn
+        self.ready = False
+        self.task = None  # (job, index) running now
+        self.done = 0
+
+
+class Pool:
+    """A pool of `processes` worker processes (os.cpu_count() by default)."""
+
+    def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None,
+                 context=None):
+        from .context import get_context
+        if processes is None:
+            processes = os.cpu_count() or 1
+        if processes < 1:
+            raise ValueError("Number of processes must be at least 1")
+        if maxtasksperchild is not None and (not isinstance(maxtasksperchild, int)
+                                             or maxtasksperchild <= 0):
+            raise ValueError("maxtasksperchild must be a positive int or None")
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+        self._ctx = context if context is not None else get_context()
+        self._processes = processes
+        self._initializer = initializer
+        self._initargs = tuple(initargs)
+        self._maxtasks = maxtasksperchild
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._jobs = collections.deque()  # _Job with chunks left
+        self._pending = set()  # results not finished
+        self._state = _RUN
+        self._broken = None  # the initializer's error
+        self._outbox = collections.deque()  # results to deliver, outside self._lock
+        self._deliver_lock = threading.RLock()
+        self._workers = []
+        self._wake_r, self._wake_w = os.pipe()
+        for _ in range(processes):
+            self._workers.append(self._start_worker())
+        self._handler = threading.Thread(target=self._handle, name="forksafe-pool-handler",
+                                         daemon=True)
+        self._handler.start()
+        _live_pools.add(self)
+
+    # ---- workers ---------------------------------------------------------------------------
+    def _start_worker(self):
+        parent_end, child_end = Pipe()
+        p = self._ctx.Process(target=_worker, name="ForksafePoolWorker",
+                              args=(child_end, self._initializer, self._initargs, self._maxtasks),
+                              daemon=True)
+        p.start()
+        child_end.close()
+        return _WorkerSlot(p, parent_end)
+
+    def _wake(self):
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    # ---- the handler thread ------------------------------------------------------------------
+    def _handle(self):
+        while True:
+            with self._lock:
+                if self._state == _TERMINATE:
+                    break
+                if self._state == _CLOSE and not self._pending and not self._jobs:
+                    break
+                self._dispatch_locked()
+                waitables = [self._wake_r]
+                for w in self._workers:
+                    waitables.append(w.conn)
+                    waitables.append(w.process.sentinel)
+            ready = _stdlib_connection.wait(waitables, timeout=1.0)
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+            with self._lock:
+                for w in list(self._workers):
+                    if w.conn in ready:
+                        self._read_locked(w)
+                for w in list(self._workers):
+                    if w.process.sentinel in ready or not w.process.is_alive():
+                        self._reap_locked(w)
+            self._flush()
+        self._flush()
+        self._stop_workers()
+
+    def _read_locked(self, w):
+        try:
+            kind, payload = w.conn.recv()
+        except (EOFError, OSError):
+            return  # the sentinel says what happened
+        if kind == "ready":
+            w.ready = True
+        elif kind == "init_error":
+            self._broken = payload
+            self._fail_all_locked(payload)
+        elif kind == "result":
+            job, index = w.task
+            w.task = None
+            w.done += 1
+            ok, value = payload
+            self._deliver(job.result, index, ok, value)
+
+    def _reap_locked(self, w):
+        w.process.join(timeout=5)
+        if w.process.exitcode is None:
+            return
+        for _ in range(4):  # what it sent before it ended: a result, an initializer's error
+            if not w.conn.poll(0):
+                break
+            self._read_locked(w)
+        self._workers.remove(w)
+        w.conn.close()
+        if w.task is not None:
+            job, index = w.task
+            code = w.process.exitcode
+            how = (f"killed by {signal.Signals(-code).name}" if code < 0
+                   else f"exit code {code}")
+            err = ProcessFailedError(
+                f"a pool worker (pid {w.process.pid}) died ({how}) while running chunk {index} "
+                f"of {job.func.__qualname__ if hasattr(job.func, '__qualname__') else job.func}; "
+                "that chunk's result fails with this error and the pool replaced the worker")
+            self._deliver(job.result, index, False, err)
+        if self._state == _RUN and self._broken is None:
+            self._workers.append(self._start_worker())
+
+    def _deliver(self, result, index, ok, value):
+        # Queued under self._lock, run by _flush without it: callbacks may submit more work.
+        self._outbox.append((result, index, ok, value))
+
+    def _flush(self):
+        with self._deliver_lock:
+            while self._outbox:
+                result, index, ok, value = self._outbox.popleft()
+                try:
+                    if ok is None:
+                        result._input_ended(value)
+                    else:
+                        result._set(index, ok, value)
+                except Exception:  # a callback raised: as in multiprocessing, the pool goes on
+                    import traceback
+                    traceback.print_exc()
+
+    def _next_chunk_locked(self):
+        """(job, index, chunk) for an idle worker, or None. An imap job gives a chunk only while
+        fewer than 2 * processes of its chunks are running or waiting for the consumer: its
+        input is read as results are consumed, never all at once."""
+        for job in list(self._jobs):
+            if job.result.ready() and not isinstance(job.result, IMapIterator):
+                self._jobs.remove(job)  # failed already: skip its other chunks
+                continue
+            if (isinstance(job.result, IMapIterator)
+                    and job.next_index - job.result._taken >= 2 * self._processes):
+                continue
+            try:
+                chunk = next(job.chunks)
+            except StopIteration:
+                self._jobs.remove(job)
+                self._end_input(job)
+                continue
+            except BaseException as e:  # the caller's iterable raised
+                self._jobs.remove(job)
+                self._deliver(job.result, job.next_index, False, e)
+                job.next_index += 1
+                self._end_input(job)
+                continue
+            job.next_index += 1
+            return job, job.next_index - 1, chunk
+        return None
+
+    def _dispatch_locked(self):
+        for w in self._workers:
+            if not self._jobs:
+                return
+            if not w.ready or w.task is not None:
+                continue
+            if self._maxtasks is not None and w.done >= self._maxtasks:
+                continue
+            while True:
+                picked = self._next_chunk_locked()
+                if picked is None:
+                    return
+                job, index, chunk = picked
+                try:
+                    w.conn.send((job.func, job.star, chunk))
+                except Exception as e:  # an argument cannot be pickled: that chunk fails
+                    self._deliver(job.result, index, False, e)
+                    continue
+                w.task = (job, index)
+                break
+
+    def _end_input(self, job):
+        job.ended = True
+        if isinstance(job.result, (MapResult, IMapIterator)):
+            self._deliver(job.result, None, None, job.next_index)  # "the input had n chunks"
+
+    def _fail_all_locked(self, err):
+        for w in self._workers:
+            if w.task is not None:
+                job, index = w.task
+                w.task = None
+                self._deliver(job.result, index, False, err)
+        for job in list(self._jobs):
+            self._deliver(job.result, job.next_index, False, err)
+            job.next_index += 1
+            if isinstance(job.result, (MapResult, IMapIterator)):
+                self._deliver(job.result, None, None, job.next_index)
+        self._jobs.clear()
+
+    def _job_done(self, result):
+        self._pending.discard(result)
+
+    def _stop_workers(self):
+        with self._lock:
+            workers = list(self._workers)
+            terminate = self._state == _TERMINATE
+        for w in workers:
+            if terminate:
+                if w.process.is_alive():
+                    w.process.kill()
+            else:
+                try:
+                    w.conn.send(None)
+                except Exception:
+                    pass
+        for w in workers:
+            w.process.join(timeout=10)
+            if w.process.exitcode is None:
+                w.process.kill()
+                w.process.join()
+            w.conn.close()
+
+    # ---- submitting ---------------------------------------------------------------------------
+    def _check_running(self):
+        if os.getpid() != self._pid:
+            raise RuntimeError("this Pool belongs to the process that made it (pid "
+                               f"{self._pid}); make a new Pool in the child")
+        if self._state != _RUN:
+            raise ValueError("Pool not running")
+        if self._broken is not None:
+            raise self._broken
+
+    def _submit(self, result, func, star, chunks):
+        # A function that cannot reach the workers (a lambda, a local function) fails here,
+        # with forksafe.InvalidArgumentError naming it.
+        _, _, fds = dumps(func)
+        close_fds(fds)
+        with self._lock:
+            self._check_running()
+            self._pending.add(result)
+            self._jobs.append(_Job(result, func, star, chunks))
+        self._wake()
+        return result
+
+    @staticmethod
+    def _chunks(iterable, chunksize):
+        it = iter(iterable)
+        while True:
+            chunk = list(itertools.islice(it, chunksize))
+            if not chunk:
+                return
+            yield chunk
+
+    def _default_chunksize(self, n):
+        chunksize, extra = divmod(n, self._processes * 4)
+        return chunksize + 1 if extra else max(chunksize, 1)
+
+    def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):
+        """func(*args, **kwds) in a worker; an ApplyResult."""
+        result = ApplyResult(self, callback, error_callback)
+        return self._submit(result, _Call(func, kwds), True, iter([[tuple(args)]]))
+
+    def apply(self, func, args=(), kwds={}):
+        return self.apply_async(func, args, kwds).get()
+
+    def map_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
+        return self._map_async(func, iterable, False, chunksize, callback, error_callback)
+
+    def starmap_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
+        return self._map_async(func, iterable, True, chunksize, callback, error_callback)
+
+    def _map_async(self, func, iterable, star, chunksize, callback, error_callback):
+        items = iterable if hasattr(iterable, "__len__") else list(iterable)
+        if chunksize is None:
+            chunksize = self._default_chunksize(len(items))
+        if chunksize < 1:
+            raise ValueError(f"chunksize must be at least 1, not {chunksize}")
+        result = MapResult(self, len(items), callback, error_callback)
+        return self._submit(result, func, star, self._chunks(items, chunksize))
+
+    def map(self, func, iterable, chunksize=None):
+        """[func(x) for x in iterable], computed by the workers, in order."""
+        return self.map_async(func, iterable, chunksize).get()
+
+    def starmap(self, func, iterable, chunksize=None):
+        """[func(*args) for args in iterable], computed by the workers, in order."""
+        return self.starmap_async(func, iterable, chunksize).get()
+
+    def imap(self, func, iterable, chunksize=1):
+        """An iterator of func(x) in input order; the input is read as workers free up."""
+        if chunksize < 1:
+            raise ValueError(f"chunksize must be at least 1, not {chunksize}")
+        return self._submit(IMapIterator(self, True), func, False,
+                            self._chunks(iterable, chunksize))
+
+    def imap_unordered(self, func, iterable, chunksize=1):
+        """Like imap, in the order results arrive."""
+        if chunksize < 1:
+            raise ValueError(f"chunksize must be at least 1, not {chunksize}")
+        return self._submit(IMapIterator(self, False), func, False,
+                            self._chunks(iterable, chunksize))
+
+    # ---- ending -----------------------------------------------------------------------------
+    def close(self):
+        """No more tasks; the workers exit once the submitted ones are done (join waits)."""
+        with self._lock:
+            if self._state == _RUN:
+                self._state = _CLOSE
+        self._wake()
+
+    def terminate(self):
+        """Stops the workers now; results not finished fail with forksafe.CancelledError."""
+        from ..errors import CancelledError
+        with self._lock:
+            if self._state == _TERMINATE:
+                return
+            self._state = _TERMINATE
+            self._fail_all_locked(CancelledError("the Pool was terminated before this task "
+                                                 "finished"))
+        self._flush()
+        self._wake()
+        if os.getpid() == self._pid:
+            self._handler.join()
+        self._close_wake()
+
+    def join(self):
+        """Waits for the workers to exit; call close() or terminate() first."""
+        if self._state == _RUN:
+            raise ValueError("Pool is still running: call close() or terminate() first")
+        if os.getpid() == self._pid:
+            self._handler.join()
+        self._close_wake()
+
+    def _close_wake(self):
+        with self._lock:
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+    def __enter__(self):
+        self._check_running()
+        return self
+
+    def __exit__(self, *exc):
+        self.terminate()
+
+    def __del__(self):
+        try:
+            if getattr(self, "_state", _TERMINATE) == _RUN and os.getpid() == self._pid:
+                self.terminate()
+        except Exception:
+            pass
+
+    def __reduce__(self):
+        raise NotImplementedError("pool objects cannot be passed between processes or pickled")
+
+
+_live_pools = weakref.WeakSet()
+
+
+@atexit.register
+def _terminate_live_pools():
+    # A Pool nobody closed: its handler thread keeps it alive, so end it at exit, before
+    # multiprocessing's own exit handler waits for children.
+    for pool in list(_live_pools):
+        try:
+            if pool._state != _TERMINATE and os.getpid() == pool._pid:
+                pool.terminate()
+        except Exception:
+            pass
+
+
+class _Call:
+    """func with keyword arguments, picklable when func is."""
+
+    def __init__(self, func, kwds):
+        self.func = func
+        self.kwds = dict(kwds)
+        self.__qualname__ = getattr(func, "__qualname__", repr(func))
+
+    def __call__(self, *args):
+        return self.func(*args, **self.kwds)

@@ -1,0 +1,178 @@
+"""spawn() and start_processes(): torch.multiprocessing's way to run fn(i, *args) in nprocs
+processes and get the first failure back as an exception.
+
+A child that raises sends the exception's type, message and traceback text to the parent over
+a forksafe Queue (no temporary files) and exits with code 1; ProcessContext.join() then
+terminates the others (SIGTERM, then SIGKILL after a grace period) and raises
+ProcessRaisedException carrying them. A child that dies otherwise (a signal, os._exit(3)) gives
+ProcessExitedException with its exit code and signal name. Both are forksafe.ProcessFailedError,
+and so forksafe.Error.
+"""
+
+import os
+import signal
+import time
+import traceback
+from multiprocessing import connection as _stdlib_connection
+
+from ..errors import ProcessFailedError
+from .context import get_context
+from .queues import SimpleQueue
+
+__all__ = ["spawn", "start_processes", "ProcessContext", "ProcessException",
+           "ProcessRaisedException", "ProcessExitedException"]
+
+
+class ProcessException(ProcessFailedError):
+    """A process of spawn()/start_processes() failed: error_index (its i), error_pid."""
+
+    def __init__(self, msg, error_index, error_pid):
+        super().__init__(msg)
+        self.msg = msg
+        self.error_index = error_index
+        self.pid = self.error_pid = error_pid
+
+    def __str__(self):
+        return self.msg
+
+    def __reduce__(self):
+        return type(self), (self.msg, self.error_index, self.error_pid)
+
+
+class ProcessRaisedException(ProcessException):
+    """The child raised: exception_type (its class's qualified name), exception_message and
+    traceback (the child's formatted traceback text)."""
+
+    def __init__(self, msg, error_index, error_pid, exception_type="", exception_message="",
+                 traceback_text=""):
+        super().__init__(msg, error_index, error_pid)
+        self.exception_type = exception_type
+        self.exception_message = exception_message
+        self.traceback = traceback_text
+
+    def __reduce__(self):
+        return type(self), (self.msg, self.error_index, self.error_pid, self.exception_type,
+                            self.exception_message, self.traceback)
+
+
+class ProcessExitedException(ProcessException):
+    """The child ended without raising: exit_code (negative: killed by a signal) and
+    signal_name ("SIGKILL", or "" for a plain exit)."""
+
+    def __init__(self, msg, error_index, error_pid, exit_code, signal_name=""):
+        super().__init__(msg, error_index, error_pid)
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+
+    def __reduce__(self):
+        return type(self), (self.msg, self.error_index, self.error_pid, self.exit_code,
+                            self.signal_name)
+
+
+def _wrap(fn, i, args, error_queue):
+    """A child's main: fn(i, *args); an exception goes to the parent, then exit code 1."""
+    try:
+        fn(i, *args)
+    except KeyboardInterrupt:
+        pass  # the parent is ending us
+    except BaseException as e:
+        error_queue.put((i, f"{type(e).__module__}.{type(e).__qualname__}", str(e),
+                         traceback.format_exc()))
+        os._exit(1)
+
+
+class ProcessContext:
+    """The processes of one start_processes() call."""
+
+    def __init__(self, processes, error_queue, grace_period=30.0):
+        self.processes = processes
+        self.error_queue = error_queue
+        self.grace_period = grace_period
+        self.sentinels = {p.sentinel: i for i, p in enumerate(processes)}
+        self._errors = {}
+
+    def pids(self):
+        return [p.pid for p in self.processes]
+
+    def join(self, timeout=None):
+        """Waits for the processes. Returns True once all exited successfully, False when
+        `timeout` ran out first; raises ProcessRaisedException / ProcessExitedException for the
+        first that failed (after ending the others)."""
+        if not self.sentinels:
+            return True
+        ready = _stdlib_connection.wait(list(self.sentinels), timeout=timeout)
+        failed = None
+        for sentinel in ready:
+            i = self.sentinels.pop(sentinel)
+            p = self.processes[i]
+            p.join()
+            if p.exitcode != 0 and failed is None:
+                failed = i
+        if failed is None:
+            return not self.sentinels
+        self._end_others()
+        self._drain_errors()
+        p = self.processes[failed]
+        if failed in self._errors:
+            type_name, message, tb = self._errors[failed]
+            msg = (f"\n\n-- Process {failed} terminated with the following error:\n{tb}")
+            raise ProcessRaisedException(msg, failed, p.pid, type_name, message, tb)
+        code = p.exitcode
+        if code < 0:
+            name = signal.Signals(-code).name
+            raise ProcessExitedException(f"process {failed} terminated with signal {name}",
+                                         failed, p.pid, code, name)
+        raise ProcessExitedException(f"process {failed} terminated with exit code {code}",
+                                     failed, p.pid, code)
+
+    def _drain_errors(self):
+        while not self.error_queue.empty():
+            try:
+                i, type_name, message, tb = self.error_queue.get()
+            except Exception:
+                return
+            self._errors.setdefault(i, (type_name, message, tb))
+
+    def _end_others(self):
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + self.grace_period
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.sentinels.clear()
+
+
+def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+    """Starts nprocs processes running fn(i, *args) with `start_method`. join=True waits for all
+    (raising the first failure); join=False returns the ProcessContext."""
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be at least 1, not {nprocs}")
+    ctx = get_context(start_method)
+    error_queue = SimpleQueue()
+    processes = []
+    try:
+        for i in range(nprocs):
+            p = ctx.Process(target=_wrap, args=(fn, i, args, error_queue), daemon=daemon)
+            p.start()
+            processes.append(p)
+    except BaseException:
+        for p in processes:
+            p.kill()
+            p.join()
+        raise
+    context = ProcessContext(processes, error_queue)
+    if not join:
+        return context
+    while not context.join():
+        pass
+    return None
+
+
+def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+    """torch.multiprocessing.spawn: start_processes with the spawn method by default."""
+    return start_processes(fn, args, nprocs, join, daemon, start_method)

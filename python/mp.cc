@@ -1,0 +1,440 @@
+// python/mp.cc: forksafe._forksafe.mp, the C++ mp layer for forksafe.multiprocessing.
+//
+// The behaviour is the C++ layer's (mp/queue.h, mp/connection.h, mp/synchronize.h,
+// mp/shared_value.h, mp/sharing.h); this file adapts its shapes:
+//   - A Python message is a pickle's bytes plus what the pickle carries out of band: forksafe
+//     tensors (they cross as shared-memory handles, mp/sharing.h) and descriptors (the state of
+//     a Lock, a Queue or a Connection inside the message). Queue.put and Connection.send take
+//     the three; get and recv return them. forksafe/multiprocessing/reduction.py does the
+//     pickling.
+//   - Every object that can cross processes has _encode() -> (bytes, [fd, ...]) and a static
+//     _decode(bytes, [fd, ...]): the codec's form, for pickling it into a spawned child's
+//     arguments. _encode's descriptors are new and the caller's to close; _decode takes
+//     ownership of those it is given, on every path.
+//   - Every call that may wait releases the GIL. Queue's Empty and Full are Python's
+//     queue.Empty and queue.Full; other errors are forksafe's exception classes.
+#include "python/mp.h"
+
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "forksafe/device/tensor.h"
+#include "forksafe/mp/codec.h"
+#include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/shared_segment.h"
+#include "forksafe/mp/queue.h"
+#include "forksafe/mp/shared_value.h"
+#include "forksafe/mp/sharing.h"
+#include "forksafe/mp/synchronize.h"
+#include "forksafe/mp/timeout.h"
+#include "forksafe/runtime/error.h"
+#include "python/tensor.h"
+
+namespace py = pybind11;
+
+namespace forksafe::python {
+namespace {
+
+using device::Tensor;
+using runtime::Error;
+using runtime::ErrorCode;
+using ReleaseGil = py::call_guard<py::gil_scoped_release>;
+using Seconds = std::optional<double>;
+
+mp::Timeout ToTimeout(Seconds s) { return s.has_value() ? mp::Timeout(*s) : mp::Timeout(); }
+
+// ---------------------------------------------------------------------------------------------
+// Messages: (pickle bytes, tensors, descriptors).
+
+// The descriptors the caller lends for one encode (borrowed: the codec dups what it keeps).
+std::vector<mp::FileDescriptor> Borrowed(const std::vector<int>& fds) {
+  std::vector<mp::FileDescriptor> out;
+  out.reserve(fds.size());
+  for (int fd : fds) {
+    if (fd < 0) throw Error(ErrorCode::kInvalidArgument, "a message's descriptor is negative");
+    out.push_back(mp::FileDescriptor::Borrow(fd));
+  }
+  return out;
+}
+
+mp::Message EncodePayload(const std::string& pickle, const std::vector<Tensor>& tensors,
+                          const std::vector<int>& fds) {
+  return mp::Encode(pickle, tensors, Borrowed(fds));
+}
+
+// A decoded message, its descriptors released to Python (the caller closes or adopts them).
+struct Payload {
+  std::string pickle;
+  std::vector<Tensor> tensors;
+  std::vector<mp::FileDescriptor> fds;
+};
+
+Payload DecodePayload(mp::Message& msg) {
+  Payload p;
+  mp::Decode(msg, p.pickle, p.tensors, p.fds);
+  return p;
+}
+
+py::tuple ToPython(Payload p) {
+  py::list fds;
+  for (auto& fd : p.fds) {  // decoded descriptors are owned; dup one that is not, to be sure
+    if (fd.owned()) {
+      fds.append(fd.release());
+    } else {
+      mp::FileDescriptor dup = mp::FileDescriptor::Dup(fd.get());
+      fds.append(dup.release());
+    }
+  }
+  return py::make_tuple(py::bytes(p.pickle), py::cast(std::move(p.tensors)), fds);
+}
+
+// The codec form of one object, for pickling it into a spawned child's arguments.
+template <class T>
+py::tuple EncodeObject(const T& value) {
+  mp::Message msg;
+  {
+    py::gil_scoped_release nogil;
+    msg = mp::Encode(value);
+  }
+  // The caller gets descriptors of its own: a borrowed one (an arena segment's, still the
+  // arena's) is duplicated; closing it would close the arena's.
+  py::list fds;
+  for (auto& fd : msg.fds) {
+    if (fd.owned()) {
+      fds.append(fd.release());
+    } else {
+      mp::FileDescriptor dup = mp::FileDescriptor::Dup(fd.get());
+      fds.append(dup.release());
+    }
+  }
+  return py::make_tuple(py::bytes(msg.bytes), fds);
+}
+
+// What a decoded T starts as (the codec decodes into a value).
+template <class T>
+T Blank() {
+  return T{};
+}
+template <>
+mp::Barrier Blank<mp::Barrier>() {
+  return mp::Barrier(1);
+}
+
+template <class T>
+T DecodeObject(const std::string& bytes, const std::vector<int>& fds) {
+  mp::Message msg;
+  msg.bytes = bytes;
+  for (int fd : fds) msg.fds.emplace_back(fd);  // owned from here on, closed on every path
+  py::gil_scoped_release nogil;
+  T value = Blank<T>();
+  mp::Decode(msg, value);
+  return value;
+}
+
+template <class T, class... Options>
+void AddCodec(py::class_<T, Options...>& cls) {
+  cls.def("_encode", &EncodeObject<T>,
+          "(bytes, [fd, ...]): this object's codec form; the descriptors are the caller's.");
+  cls.def_static("_decode", &DecodeObject<T>, py::arg("data"), py::arg("fds"),
+                 "The object from its codec form; takes ownership of the descriptors.");
+}
+
+// Python's queue.Empty / queue.Full for the C++ ones (a Queue user catches those).
+[[noreturn]] void RaiseQueueError(const char* name, const std::string& message) {
+  py::gil_scoped_acquire gil;
+  py::object cls = py::module_::import("queue").attr(name);
+  PyErr_SetObject(cls.ptr(), py::str(message).ptr());
+  throw py::error_already_set();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Queue (Queue, SimpleQueue and JoinableQueue are all a C++ JoinableQueue: one kind of segment).
+
+class PyQueue {
+ public:
+  PyQueue() = default;  // an empty handle, for decoding into
+  PyQueue(int64_t maxsize, size_t ring_bytes) : q_(mp::QueueOptions{maxsize, ring_bytes}) {}
+  explicit PyQueue(mp::JoinableQueue q) : q_(std::move(q)) {}
+
+  void Put(const std::string& pickle, const std::vector<Tensor>& tensors,
+           const std::vector<int>& fds, bool block, Seconds timeout) {
+    try {
+      mp::internal::InFlightScope in_flight(q_.CarrierId());
+      q_.PutMessage(EncodePayload(pickle, tensors, fds), block, ToTimeout(timeout));
+    } catch (const mp::Full& e) {
+      RaiseQueueError("Full", e.message());
+    }
+  }
+
+  py::tuple Get(bool block, Seconds timeout) {
+    Payload p;
+    {
+      py::gil_scoped_release nogil;
+      try {
+        mp::Message m = q_.GetMessage(block, ToTimeout(timeout));
+        p = DecodePayload(m);
+      } catch (const mp::Empty& e) {
+        RaiseQueueError("Empty", e.message());
+      }
+    }
+    return ToPython(std::move(p));
+  }
+
+  mp::JoinableQueue& queue() { return q_; }
+  const mp::JoinableQueue& queue() const { return q_; }
+
+  template <class Archive>
+  void save(Archive& ar) const {
+    ar(q_);
+  }
+  template <class Archive>
+  void load(Archive& ar) {
+    ar(q_);
+  }
+
+ private:
+  mp::JoinableQueue q_{nullptr};
+  friend struct PyQueueAccess;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Connection.
+
+class PyConnection {
+ public:
+  PyConnection() = default;
+  explicit PyConnection(mp::Connection c) : c_(std::move(c)) {}
+
+  void Send(const std::string& pickle, const std::vector<Tensor>& tensors,
+            const std::vector<int>& fds) {
+    c_.SendMessage(EncodePayload(pickle, tensors, fds));
+  }
+  py::tuple Recv(Seconds timeout) {
+    Payload p;
+    {
+      py::gil_scoped_release nogil;
+      mp::Message m = c_.RecvMessage(ToTimeout(timeout));
+      p = DecodePayload(m);
+    }
+    return ToPython(std::move(p));
+  }
+  mp::Connection& conn() { return c_; }
+  const mp::Connection& conn() const { return c_; }
+
+  template <class Archive>
+  void save(Archive& ar) const {
+    ar(c_);
+  }
+  template <class Archive>
+  void load(Archive& ar) {
+    ar(c_);
+  }
+
+ private:
+  mp::Connection c_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Value / Array: a shared block of bytes (8-byte aligned) that Python views through ctypes.
+
+class SharedBytes {
+ public:
+  SharedBytes() = default;
+  explicit SharedBytes(size_t nbytes) : a_((nbytes + 7) / 8 + (nbytes == 0 ? 1 : 0), 0, false) {}
+  uintptr_t address() const { return reinterpret_cast<uintptr_t>(a_.data()); }
+  size_t capacity() const { return a_.size() * sizeof(int64_t); }
+
+  template <class Archive>
+  void save(Archive& ar) const {
+    ar(a_);
+  }
+  template <class Archive>
+  void load(Archive& ar) {
+    ar(a_);
+  }
+
+ private:
+  mp::Array<int64_t> a_;
+};
+
+// A Python callable held by C++ (Barrier's action): called and destroyed with the GIL.
+std::function<void()> HoldCallable(py::object fn) {
+  if (fn.is_none()) return nullptr;
+  auto held = std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+  return [held] {
+    py::gil_scoped_acquire gil;
+    (*held)();
+  };
+}
+
+}  // namespace
+
+void BindMp(py::module_& parent) {
+  py::module_ m = parent.def_submodule("mp", "forksafe's C++ mp layer (use forksafe.multiprocessing)");
+
+  // ---- Queue --------------------------------------------------------------------------------
+  py::class_<PyQueue> queue(m, "Queue");
+  queue
+      .def(py::init<int64_t, size_t>(), py::arg("maxsize") = 0,
+           py::arg("ring_bytes") = size_t{1} << 20)
+      .def("put", &PyQueue::Put, py::arg("pickle"), py::arg("tensors"), py::arg("fds"),
+           py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+      .def("get", &PyQueue::Get, py::arg("block") = true, py::arg("timeout") = py::none())
+      .def("qsize", [](const PyQueue& q) { return q.queue().qsize(); })
+      .def("empty", [](const PyQueue& q) { return q.queue().empty(); })
+      .def("full", [](const PyQueue& q) { return q.queue().full(); })
+      .def_property_readonly("maxsize", [](const PyQueue& q) { return q.queue().maxsize(); })
+      .def("close", [](PyQueue& q) { q.queue().close(); }, ReleaseGil())
+      .def("task_done", [](PyQueue& q) { q.queue().task_done(); }, ReleaseGil())
+      .def("join",
+           [](PyQueue& q, Seconds timeout) { return q.queue().join(ToTimeout(timeout)); },
+           py::arg("timeout") = py::none(), ReleaseGil());
+  AddCodec(queue);
+
+  // ---- Connection and Pipe ------------------------------------------------------------------
+  py::class_<PyConnection> conn(m, "Connection");
+  conn.def("send", &PyConnection::Send, py::arg("pickle"), py::arg("tensors"), py::arg("fds"),
+           ReleaseGil())
+      .def("recv", &PyConnection::Recv, py::arg("timeout") = py::none())
+      .def("send_bytes",
+           [](PyConnection& c, const std::string& data) { c.conn().send_bytes(data); },
+           ReleaseGil())
+      .def("recv_bytes",
+           [](PyConnection& c) {
+             std::string data;
+             {
+               py::gil_scoped_release nogil;
+               data = c.conn().recv_bytes();
+             }
+             return py::bytes(data);
+           })
+      .def("poll", [](const PyConnection& c, Seconds t) { return c.conn().poll(ToTimeout(t)); },
+           py::arg("timeout") = 0.0, ReleaseGil())
+      .def("close", [](PyConnection& c) { c.conn().close(); })
+      .def_property_readonly("closed", [](const PyConnection& c) { return c.conn().closed(); })
+      .def_property_readonly("readable", [](const PyConnection& c) { return c.conn().readable(); })
+      .def_property_readonly("writable", [](const PyConnection& c) { return c.conn().writable(); })
+      .def("fileno", [](const PyConnection& c) { return c.conn().fileno(); });
+  AddCodec(conn);
+  m.def(
+      "Pipe",
+      [](bool duplex) {
+        auto ends = mp::Pipe(duplex);
+        return std::make_pair(PyConnection(std::move(ends.first)),
+                              PyConnection(std::move(ends.second)));
+      },
+      py::arg("duplex") = true);
+
+  // ---- Locks and the other primitives ---------------------------------------------------------
+  py::class_<mp::Lock> lock(m, "Lock");
+  lock.def(py::init<>())
+      .def("acquire", [](mp::Lock& l, bool b, Seconds t) { return l.acquire(b, ToTimeout(t)); },
+           py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+      .def("release", &mp::Lock::release)
+      .def("previous_owner_died", &mp::Lock::previous_owner_died);
+  AddCodec(lock);
+
+  py::class_<mp::RLock> rlock(m, "RLock");
+  rlock.def(py::init<>())
+      .def("acquire", [](mp::RLock& l, bool b, Seconds t) { return l.acquire(b, ToTimeout(t)); },
+           py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+      .def("release", &mp::RLock::release)
+      .def("previous_owner_died", &mp::RLock::previous_owner_died);
+  AddCodec(rlock);
+
+  py::class_<mp::Semaphore> sem(m, "Semaphore");
+  sem.def(py::init<int>(), py::arg("value") = 1)
+      .def("acquire",
+           [](mp::Semaphore& s, bool b, Seconds t) { return s.acquire(b, ToTimeout(t)); },
+           py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+      .def("release", &mp::Semaphore::release, py::arg("n") = 1)
+      .def("get_value", &mp::Semaphore::get_value);
+  AddCodec(sem);
+
+  py::class_<mp::BoundedSemaphore, mp::Semaphore> bsem(m, "BoundedSemaphore");
+  bsem.def(py::init<int>(), py::arg("value") = 1);
+  AddCodec(bsem);
+
+  py::class_<mp::Condition> cond(m, "Condition");
+  cond.def(py::init<mp::Lock>(), py::arg("lock"))
+      .def(py::init<mp::RLock>(), py::arg("lock"))
+      .def("acquire",
+           [](mp::Condition& c, bool b, Seconds t) { return c.acquire(b, ToTimeout(t)); },
+           py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+      .def("release", &mp::Condition::release)
+      .def("wait", [](mp::Condition& c, Seconds t) { return c.wait(ToTimeout(t)); },
+           py::arg("timeout") = py::none(), ReleaseGil())
+      .def("notify", &mp::Condition::notify, py::arg("n") = 1)
+      .def("notify_all", &mp::Condition::notify_all);
+  AddCodec(cond);
+
+  py::class_<mp::Event> event(m, "Event");
+  event.def(py::init<>())
+      .def("is_set", &mp::Event::is_set)
+      .def("set", &mp::Event::set, ReleaseGil())
+      .def("clear", &mp::Event::clear, ReleaseGil())
+      .def("wait", [](mp::Event& e, Seconds t) { return e.wait(ToTimeout(t)); },
+           py::arg("timeout") = py::none(), ReleaseGil());
+  AddCodec(event);
+
+  py::class_<mp::Barrier> barrier(m, "Barrier");
+  barrier
+      .def(py::init([](int parties, py::object action, Seconds timeout) {
+             return mp::Barrier(parties, HoldCallable(std::move(action)), ToTimeout(timeout));
+           }),
+           py::arg("parties"), py::arg("action") = py::none(), py::arg("timeout") = py::none())
+      .def("wait", [](mp::Barrier& b, Seconds t) { return b.wait(ToTimeout(t)); },
+           py::arg("timeout") = py::none(), ReleaseGil())
+      .def("reset", &mp::Barrier::reset, ReleaseGil())
+      .def("abort", &mp::Barrier::abort, ReleaseGil())
+      .def_property_readonly("parties", &mp::Barrier::parties)
+      .def_property_readonly("n_waiting", &mp::Barrier::n_waiting)
+      .def_property_readonly("broken", &mp::Barrier::broken);
+  AddCodec(barrier);
+  m.def(
+      "_barrier_with_action",
+      [](const mp::Barrier& b, py::object action) {
+        mp::Barrier out = b;
+        out.set_action(HoldCallable(std::move(action)));
+        return out;
+      },
+      "A handle of barrier `b` (decoded in this process) that runs `action` here.");
+
+  // ---- Value / Array ------------------------------------------------------------------------
+  py::class_<SharedBytes> bytes(m, "SharedBytes", py::buffer_protocol());
+  bytes.def(py::init<size_t>(), py::arg("nbytes"))
+      .def_property_readonly("address", &SharedBytes::address)
+      .def_property_readonly("capacity", &SharedBytes::capacity)
+      .def_buffer([](const SharedBytes& b) {
+        return py::buffer_info(reinterpret_cast<void*>(b.address()), 1, "B",
+                               static_cast<py::ssize_t>(b.capacity()), /*readonly=*/false);
+      });
+  AddCodec(bytes);
+
+  // ---- Tensors and the sharing strategies ----------------------------------------------------
+  m.def("encode_tensor", [](const Tensor& t) { return EncodeObject(t); });
+  m.def("decode_tensor", &DecodeObject<Tensor>, py::arg("data"), py::arg("fds"));
+  m.def("share_memory_", [](Tensor& t) { return mp::share_memory_(t); }, ReleaseGil());
+  m.def(
+      "shared_empty",
+      [](const std::vector<int64_t>& shape, const std::string& dtype) {
+        return mp::SharedEmpty(shape, ParseDType(dtype));
+      },
+      py::arg("shape"), py::arg("dtype") = "float32", ReleaseGil());
+  m.def("get_all_sharing_strategies", &mp::get_all_sharing_strategies);
+  m.def("get_sharing_strategy", &mp::get_sharing_strategy);
+  m.def("set_sharing_strategy", &mp::set_sharing_strategy, py::arg("strategy"));
+}
+
+}  // namespace forksafe::python

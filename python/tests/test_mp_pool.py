@@ -1,0 +1,262 @@
+"""forksafe.multiprocessing.Pool and spawn(): results, errors, dead workers, lazy input.
+
+Every wait is bounded (get(timeout), next(timeout)); Pools are terminated by their context
+manager; conftest.py's watchdog ends the run past 120 s.
+"""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import forksafe
+import forksafe.multiprocessing as mp
+
+T = 60  # seconds any single result may take before the test fails
+
+
+def square(x):
+    return x * x
+
+
+def add(a, b):
+    return a + b
+
+
+def fail_on_three(x):
+    if x == 3:
+        raise KeyError(f"three is not allowed ({x})")
+    return x
+
+
+def kill_self_on_three(x):
+    if x == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def exit_on_zero(x):
+    if x == 0:
+        os._exit(5)
+    return x
+
+
+def pid_of_worker(_):
+    time.sleep(0.01)
+    return os.getpid()
+
+
+def broken_initializer():
+    raise RuntimeError("the initializer failed")
+
+
+def set_marker(value):
+    global MARKER
+    MARKER = value
+
+
+def read_marker(_):
+    return MARKER
+
+
+def kwargs_call(a, b=0, *, c=0):
+    return a + b + c
+
+
+def sleep_long(_):
+    time.sleep(60)
+
+
+def child_raises(i, message):
+    if i == 1:
+        raise ValueError(f"{message} from {i}")
+    time.sleep(0.1)
+
+
+def child_killed(i):
+    if i == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+
+
+def child_ok(i, q):
+    q.put(i)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_map_starmap_apply_and_imap(method):
+    with mp.get_context(method).Pool(2) as pool:
+        assert pool.map(square, range(20)) == [x * x for x in range(20)]
+        assert pool.map(square, range(20), chunksize=7) == [x * x for x in range(20)]
+        assert pool.starmap(add, [(1, 2), (3, 4)]) == [3, 7]
+        assert pool.apply(kwargs_call, (1,), {"b": 2, "c": 3}) == 6
+        assert list(pool.imap(square, range(10))) == [x * x for x in range(10)]
+        assert sorted(pool.imap_unordered(square, range(10), chunksize=3)) == \
+            [x * x for x in range(10)]
+        assert pool.map(square, []) == []
+
+
+def test_async_results_and_callbacks():
+    got, errors, done = [], [], threading.Event()
+    with mp.Pool(2) as pool:
+        r = pool.apply_async(square, (9,), callback=got.append)
+        assert r.get(T) == 81 and r.ready() and r.successful()
+        m = pool.map_async(square, range(5), callback=lambda v: (got.append(v), done.set()))
+        assert m.get(T) == [0, 1, 4, 9, 16]
+        assert done.wait(T)
+        e = pool.apply_async(fail_on_three, (3,), error_callback=errors.append)
+        with pytest.raises(KeyError, match="three"):
+            e.get(T)
+        assert not e.successful()
+        assert isinstance(errors[0], KeyError)
+        assert got == [81, [0, 1, 4, 9, 16]]
+        slow = pool.apply_async(time.sleep, (0.5,))
+        with pytest.raises(mp.TimeoutError):
+            slow.get(0.01)
+        with pytest.raises(ValueError, match="not ready"):
+            slow.successful()
+
+
+def test_a_task_error_carries_the_remote_traceback():
+    with mp.Pool(2) as pool:
+        with pytest.raises(KeyError) as info:
+            pool.map(fail_on_three, range(6), chunksize=1)
+    assert "fail_on_three" in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("target,how", [(kill_self_on_three, "killed by SIGKILL"),
+                                        (exit_on_zero, "exit code 5")])
+def test_a_dead_worker_fails_its_task_instead_of_hanging(target, how):
+    with mp.Pool(2) as pool:
+        with pytest.raises(forksafe.ProcessFailedError, match=how):
+            pool.map(target, range(6), chunksize=1)
+        # The pool replaced the worker and goes on.
+        assert pool.map(square, range(8)) == [x * x for x in range(8)]
+        r = pool.apply_async(target, (3 if target is kill_self_on_three else 0,))
+        with pytest.raises(forksafe.ProcessFailedError, match="chunk 0"):
+            r.get(T)
+
+
+def test_imap_reads_its_input_lazily():
+    taken = []
+
+    def numbers():
+        for i in range(1000):
+            taken.append(i)
+            yield i
+
+    with mp.Pool(2) as pool:
+        it = pool.imap(square, numbers())
+        assert [it.next(T) for _ in range(5)] == [0, 1, 4, 9, 16]
+        time.sleep(0.2)
+        # Only what the two workers could take: never the whole input up front.
+        assert len(taken) < 20, f"imap read {len(taken)} items ahead"
+
+
+def test_an_input_error_ends_imap():
+    def numbers():
+        yield 1
+        raise RuntimeError("the input broke")
+
+    with mp.Pool(1) as pool:
+        it = pool.imap(square, numbers())
+        assert it.next(T) == 1
+        with pytest.raises(RuntimeError, match="input broke"):
+            it.next(T)
+        with pytest.raises(StopIteration):
+            it.next(T)
+
+
+def test_maxtasksperchild_replaces_workers_and_initializer_runs():
+    with mp.Pool(1, initializer=set_marker, initargs=("set",), maxtasksperchild=2) as pool:
+        pids = pool.map(pid_of_worker, range(6), chunksize=1)
+        assert len(set(pids)) == 3, pids  # a new worker every two tasks
+        assert pool.map(read_marker, range(3)) == ["set"] * 3
+
+
+def test_a_failing_initializer_fails_the_pool_instead_of_restarting_for_ever():
+    pool = mp.Pool(2, initializer=broken_initializer)
+    try:
+        # Before the workers reported, the task is taken and fails; after, submitting fails.
+        with pytest.raises(RuntimeError, match="initializer failed"):
+            pool.apply_async(square, (2,)).get(T)
+        deadline = time.monotonic() + T
+        while pool._broken is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="initializer failed"):
+            pool.apply_async(square, (2,))
+        assert not pool._workers or all(not w.ready for w in pool._workers)
+    finally:
+        pool.terminate()
+
+
+def test_terminate_fails_what_is_pending_and_close_join_end_cleanly():
+    pool = mp.Pool(1)
+    r = pool.apply_async(sleep_long, (0,))
+    time.sleep(0.2)
+    pool.terminate()
+    with pytest.raises(forksafe.CancelledError):
+        r.get(T)
+    pool.join()
+    pool = mp.Pool(2)
+    r = pool.map_async(square, range(10))
+    pool.close()
+    with pytest.raises(ValueError, match="not running"):
+        pool.apply_async(square, (1,))
+    pool.join()
+    assert r.get(0) == [x * x for x in range(10)]
+    running = mp.Pool(1)
+    with pytest.raises(ValueError, match="still running"):
+        running.join()
+    running.terminate()
+    running.join()
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="at least 1"):
+        mp.Pool(0)
+    with pytest.raises(ValueError, match="maxtasksperchild"):
+        mp.Pool(1, maxtasksperchild=0)
+    with pytest.raises(TypeError, match="callable"):
+        mp.Pool(1, initializer=3)
+    with mp.Pool(1) as pool:
+        with pytest.raises(forksafe.InvalidArgumentError, match="lambda"):
+            pool.map(lambda x: x, [1])
+        with pytest.raises(ValueError, match="chunksize"):
+            pool.imap(square, [1], chunksize=0)
+        assert pool.map(square, [3]) == [9]
+
+
+# ---- spawn() ----------------------------------------------------------------------------------
+
+def test_spawn_raises_the_childs_exception_with_its_traceback():
+    with pytest.raises(mp.ProcessRaisedException) as info:
+        mp.spawn(child_raises, args=("boom",), nprocs=3)
+    e = info.value
+    assert e.error_index == 1 and e.error_pid > 0
+    assert e.exception_type == "builtins.ValueError"
+    assert e.exception_message == "boom from 1"
+    assert "child_raises" in e.traceback and "boom from 1" in str(e)
+    assert isinstance(e, forksafe.ProcessFailedError) and isinstance(e, forksafe.Error)
+
+
+def test_spawn_reports_a_child_killed_by_a_signal():
+    with pytest.raises(mp.ProcessExitedException) as info:
+        mp.spawn(child_killed, nprocs=2, start_method="fork")
+    assert info.value.error_index == 0
+    assert info.value.exit_code == -signal.SIGKILL and info.value.signal_name == "SIGKILL"
+
+
+def test_start_processes_without_join_returns_a_context():
+    q = mp.Queue()
+    ctx = mp.start_processes(child_ok, args=(q,), nprocs=3, join=False, start_method="fork")
+    deadline = time.monotonic() + T
+    while not ctx.join(timeout=1):
+        assert time.monotonic() < deadline, "spawned processes did not end"
+    assert sorted(q.get(timeout=5) for _ in range(3)) == [0, 1, 2]
+    assert len(ctx.pids()) == 3
+    assert mp.spawn(child_ok, args=(q,), nprocs=1) is None
+    with pytest.raises(ValueError, match="nprocs"):
+        mp.spawn(child_ok, args=(q,), nprocs=0)

@@ -1,0 +1,393 @@
+"""forksafe.multiprocessing: processes, queues, pipes, locks, events, barriers, shared values.
+
+Every test that starts a process bounds its wait (join with a timeout, get with a timeout) and
+kills what it started when that runs out; conftest.py's watchdog ends the run past 120 s.
+"""
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+
+import pytest
+
+import forksafe
+import forksafe.multiprocessing as mp
+
+METHODS = ["fork", "spawn", "forkserver"]
+
+
+def finish(procs, timeout=60):
+    """Joins `procs`; kills (by pid) and fails on any that outlives `timeout`."""
+    deadline = time.monotonic() + timeout
+    stuck = []
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            stuck.append(p.pid)
+            p.kill()
+            p.join()
+    assert not stuck, f"processes {stuck} did not end within {timeout} s"
+    return [p.exitcode for p in procs]
+
+
+# ---- targets (module level: spawn and forkserver import them by name) ------------------------
+
+def put_hello(q, i):
+    q.put(("hello", i, os.getpid()))
+
+
+def echo_pipe(conn):
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        conn.send(("echo", msg))
+    conn.send_bytes(b"raw bytes")
+    conn.close()
+
+
+def count_under_lock(lock, counter, n):
+    for _ in range(n):
+        with lock:
+            counter.value += 1
+
+
+def die_holding(lock):
+    lock.acquire()
+    os._exit(7)
+
+
+def wait_event_then_put(ev, q):
+    q.put("waiting")
+    q.put(ev.wait(30))
+
+
+def barrier_party(barrier, q):
+    q.put(barrier.wait(30))
+
+
+def fill_values(v, a, raw):
+    v.value = 2.5
+    for i in range(len(a)):
+        a[i] = a[i] * 10
+    raw[0] = 99
+
+
+def consume_joinable(q):
+    while True:
+        item = q.get(timeout=30)
+        q.task_done()
+        if item is None:
+            return
+
+
+def put_big_and_exit(q):
+    q.put(b"x" * (4 << 20))  # out of band: bigger than a quarter of the ring
+    os._exit(0)  # no atexit, no feeder thread to flush: the item is already in the queue
+
+
+def notify_after(cond, flag):
+    with cond:
+        flag.value = 1
+        cond.notify_all()
+
+
+# ---- Process and contexts ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", METHODS)
+def test_process_and_queue_in_every_start_method(method):
+    ctx = mp.get_context(method)
+    assert ctx.get_start_method() == method
+    q = ctx.Queue()
+    procs = [ctx.Process(target=put_hello, args=(q, i)) for i in range(3)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=60)[:2] for _ in procs)
+    assert finish(procs) == [0, 0, 0]
+    assert got == [("hello", 0), ("hello", 1), ("hello", 2)]
+
+
+class Doubler(mp.Process):
+    def __init__(self, q, x):
+        super().__init__()
+        self.q, self.x = q, x
+
+    def run(self):
+        self.q.put(self.x * 2)
+
+
+def test_a_process_subclass_runs_its_run_method():
+    q = mp.Queue()
+    p = Doubler(q, 21)
+    p.start()
+    assert q.get(timeout=30) == 42
+    assert finish([p]) == [0]
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_lambda_target_is_a_clear_error_before_any_child_starts(method):
+    ctx = mp.get_context(method)
+    p = ctx.Process(target=lambda: None)
+    with pytest.raises(forksafe.InvalidArgumentError, match="lambda.*top level"):
+        p.start()
+    assert p.pid is None or not p.is_alive()
+
+
+def test_start_methods_and_contexts():
+    assert mp.get_all_start_methods() == ["fork", "spawn", "forkserver"]
+    with pytest.raises(ValueError, match="cannot find context"):
+        mp.get_context("threads")
+    ctx = mp.get_context("spawn")
+    assert ctx.Process is mp.SpawnProcess
+    assert mp.get_context("fork").Process is mp.ForkProcess
+
+
+def test_exit_codes_and_signals_are_reported():
+    p = mp.Process(target=os._exit, args=(3,))
+    p.start()
+    assert finish([p]) == [3]
+    p = mp.Process(target=time.sleep, args=(30,))
+    p.start()
+    p.terminate()
+    assert finish([p]) == [-signal.SIGTERM]
+
+
+# ---- Queue ------------------------------------------------------------------------------------
+
+def test_queue_empty_full_and_sizes():
+    q = mp.Queue(maxsize=2)
+    assert q.empty() and q.qsize() == 0
+    q.put(1)
+    q.put_nowait({"two": [2]})
+    assert q.full() and q.qsize() == 2
+    with pytest.raises(queue.Full):
+        q.put_nowait(3)
+    with pytest.raises(queue.Full):
+        q.put(3, timeout=0.05)
+    assert q.get() == 1
+    assert q.get_nowait() == {"two": [2]}
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    with pytest.raises(ValueError):
+        q.get(timeout=-1)
+    q.close()
+    with pytest.raises(forksafe.ClosedError):
+        q.put(1)
+
+
+def test_an_item_put_just_before_exit_is_not_lost():
+    q = mp.Queue()
+    p = mp.Process(target=put_big_and_exit, args=(q,))
+    p.start()
+    assert finish([p]) == [0]  # the child exited before anyone read the item
+    assert q.get(timeout=10) == b"x" * (4 << 20)
+
+
+def test_joinable_queue_join_waits_for_task_done():
+    q = mp.JoinableQueue()
+    p = mp.Process(target=consume_joinable, args=(q,))
+    p.start()
+    for i in range(5):
+        q.put(i)
+    q.put(None)
+    assert q.join(timeout=30) is True
+    assert finish([p]) == [0]
+    with pytest.raises(ValueError, match="too many times"):
+        q.task_done()
+
+
+def test_simple_queue():
+    q = mp.SimpleQueue()
+    assert q.empty()
+    q.put("a")
+    assert not q.empty()
+    assert q.get() == "a"
+
+
+def test_forksafe_objects_cannot_be_pickled_outside_forksafe():
+    with pytest.raises(forksafe.InvalidArgumentError, match="cross processes"):
+        pickle.dumps(mp.Queue())
+    with pytest.raises(forksafe.InvalidArgumentError):
+        pickle.dumps(mp.Lock())
+
+
+def test_a_queue_crosses_inside_another_queue():
+    outer, inner = mp.Queue(), mp.Queue()
+    outer.put(inner)
+    got = outer.get(timeout=5)
+    got.put("through the copy")
+    assert inner.get(timeout=5) == "through the copy"
+
+
+# ---- Pipe -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_pipe_round_trips(method):
+    ctx = mp.get_context(method)
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=echo_pipe, args=(b,))
+    p.start()
+    b.close()
+    for msg in [1, "two", {"three": (3,)}]:
+        a.send(msg)
+        assert a.poll(30)
+        assert a.recv() == ("echo", msg)
+    a.send(None)
+    assert a.recv_bytes() == b"raw bytes"
+    with pytest.raises(EOFError):
+        a.recv()
+    assert finish([p]) == [0]
+
+
+def test_one_way_pipe_and_byte_slices():
+    r, w = mp.Pipe(duplex=False)
+    assert r.readable and not r.writable and w.writable and not w.readable
+    w.send_bytes(b"0123456789", 2, 3)
+    buf = bytearray(8)
+    assert r.recv_bytes_into(buf, 1) == 3
+    assert bytes(buf[1:4]) == b"234"
+    w.send_bytes(b"too long")
+    with pytest.raises(OSError, match="bad message length"):
+        r.recv_bytes(maxlength=3)
+    with pytest.raises(ValueError):
+        w.send_bytes(b"abc", 5)
+
+
+# ---- locks and the other primitives -----------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_lock_makes_increments_exclusive(method):
+    ctx = mp.get_context(method)
+    lock = ctx.Lock()
+    counter = ctx.Value("i", 0, lock=False)
+    procs = [ctx.Process(target=count_under_lock, args=(lock, counter, 500)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    assert finish(procs) == [0, 0, 0]
+    assert counter.value == 1500
+
+
+def test_a_lock_whose_holder_died_is_recovered():
+    lock = mp.Lock()
+    p = mp.Process(target=die_holding, args=(lock,))
+    p.start()
+    assert finish([p]) == [7]
+    assert lock.acquire(timeout=10), "a lock held by a dead process wedged its waiters"
+    assert lock.previous_owner_died()
+    lock.release()
+
+
+def test_rlock_recursion_and_release_errors():
+    r = mp.RLock()
+    assert r.acquire() and r.acquire(block=False)
+    r.release()
+    r.release()
+    with pytest.raises(forksafe.FailedPreconditionError):
+        r.release()
+    lock = mp.Lock()
+    assert lock.acquire()
+    assert not lock.acquire(block=False)
+    # A blocking acquire by the holder would wait for itself (multiprocessing deadlocks there):
+    # forksafe says so instead.
+    with pytest.raises(forksafe.FailedPreconditionError, match="use RLock"):
+        lock.acquire(timeout=0.01)
+    lock.release()
+
+
+def test_semaphores():
+    s = mp.Semaphore(2)
+    assert s.acquire() and s.acquire(block=False)
+    assert not s.acquire(timeout=0.01)
+    assert s.get_value() == 0
+    s.release(2)
+    assert s.get_value() == 2
+    b = mp.BoundedSemaphore(1)
+    with b:
+        pass
+    with pytest.raises(ValueError, match="too many"):
+        b.release()
+
+
+def test_event_wakes_another_process():
+    ev, q = mp.Event(), mp.Queue()
+    p = mp.Process(target=wait_event_then_put, args=(ev, q))
+    p.start()
+    assert q.get(timeout=30) == "waiting"
+    assert not ev.is_set()
+    ev.set()
+    assert q.get(timeout=30) is True
+    assert finish([p]) == [0]
+    ev.clear()
+    assert ev.wait(0.01) is False
+
+
+def test_condition_notify_across_processes():
+    cond = mp.Condition()
+    flag = mp.Value("i", 0, lock=False)
+    with cond:
+        p = mp.Process(target=notify_after, args=(cond, flag))
+        p.start()
+        assert cond.wait_for(lambda: flag.value == 1, timeout=30)
+    assert finish([p]) == [0]
+    with pytest.raises(forksafe.FailedPreconditionError):
+        cond.notify()  # not held
+    with pytest.raises(TypeError, match="Lock or RLock"):
+        mp.Condition(threading.Lock())
+
+
+def test_barrier_releases_all_parties_and_breaks_on_timeout():
+    barrier, q = mp.Barrier(3), mp.Queue()
+    procs = [mp.Process(target=barrier_party, args=(barrier, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    me = barrier.wait(30)
+    others = [q.get(timeout=30) for _ in procs]
+    assert sorted(others + [me]) == [0, 1, 2]
+    assert finish(procs) == [0, 0]
+    lonely = mp.Barrier(2)
+    with pytest.raises(threading.BrokenBarrierError):
+        lonely.wait(0.05)
+    assert lonely.broken
+    lonely.reset()
+    assert not lonely.broken and lonely.parties == 2 and lonely.n_waiting == 0
+
+
+# ---- Value and Array --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_values_and_arrays_are_shared(method):
+    ctx = mp.get_context(method)
+    v = ctx.Value("d", 0.0)
+    a = ctx.Array("i", range(5))
+    raw = ctx.RawArray("q", 3)
+    p = ctx.Process(target=fill_values, args=(v, a, raw))
+    p.start()
+    assert finish([p]) == [0]
+    assert v.value == 2.5
+    assert a[:] == [0, 10, 20, 30, 40]
+    assert list(raw) == [99, 0, 0]
+
+
+def test_value_typecodes_locks_and_errors():
+    for code, value in [("b", -3), ("B", 3), ("h", -300), ("H", 300), ("i", -7), ("I", 7),
+                        ("l", -8), ("L", 8), ("q", -9), ("Q", 9), ("f", 0.5), ("d", 0.25),
+                        ("c", b"z"), ("u", "z")]:
+        assert mp.Value(code, value).value == value
+    v = mp.Value("i", 1)
+    with v.get_lock():
+        v.value += 1  # the lock is recursive, as multiprocessing's default
+    assert v.value == 2
+    raw = mp.Value("i", 5, lock=False)
+    assert raw.value == 5 and not hasattr(raw, "get_lock")
+    mine = mp.Lock()
+    assert mp.Value("i", lock=mine).get_lock() is mine
+    assert mp.Array("c", b"hey").value == b"hey"
+    with pytest.raises(ValueError, match="unknown typecode"):
+        mp.Value("x")
+    with pytest.raises(AttributeError):
+        mp.Value("i", lock="yes")
+    assert len(mp.Array("d", 4)) == 4 and mp.RawValue("i").value == 0
