@@ -397,6 +397,12 @@ device::Tensor ImportTensor(TensorHandle h) {
     auto it = ids.by_key.find(block->key());
     std::optional<device::Storage> known;
     if (it != ids.by_key.end()) known = it->second.Lock();
+    // A storage known under this key views the same memory only if it is the same block: one
+    // of another size is a block its creator freed and reused since (a forked child inherits
+    // its parent's identities; the parent may reuse a block after the fork). Map it afresh.
+    if (known.has_value() && (known->data() != block->data() || known->nbytes() != block->size())) {
+      known.reset();
+    }
     if (known.has_value()) {
       storage = *known;  // our adopted reference goes with `block` below
     } else {

@@ -13,7 +13,7 @@ import json
 import statistics
 import sys
 
-SYSTEMS = ["forksafe", "torch", "mp"]
+SYSTEMS = ["forksafe", "torch", "mp", "forksafe_py"]
 SIZES = ["4 KiB", "1 MiB", "64 MiB"]
 SIZE_BYTES = {"4 KiB": 4 << 10, "1 MiB": 1 << 20, "64 MiB": 64 << 20}
 ONE_CPU = " [1 CPU]"
@@ -22,6 +22,8 @@ PINNED = [ONE_CPU, APART]
 PIN_NAMES = {"": "unpinned", ONE_CPU: "1 CPU", APART: "2 CPUs apart"}
 PLACED = ("w1_roundtrip", "w2_fresh")  # measured unpinned and in both pinned placements
 TORCH_TARGET = 10.0   # forksafe at least 10x faster than torch.multiprocessing
+PY_TORCH_TARGET = 5.0  # forksafe.multiprocessing (Python) at least 5x faster than torch's
+PY_CPP_TARGET = 2.0    # ... and within 2x of forksafe's C++ figure
 FLOOR_TARGET = 3.0    # round trips within 3x of the bare ping-pong
 
 
@@ -227,6 +229,8 @@ def main():
         fs_param="OpenMP region in the child", torch_param="forksafe loaded (libforksafe.so)")
     w("")
 
+    python_table(t, w, summary, all_hung)
+
     # Workload 6's hang counts.
     w("Workload 6, children that hung (killed after 2 s) or failed, over all trials of all "
       "rounds (warm-ups included):")
@@ -276,7 +280,7 @@ def main():
         for size in SIZES:
             for pl in [""] + PINNED:
                 p = size + pl
-                fs, tv, mv = (t.med(s_, wl, p) for s_ in SYSTEMS)
+                fs, tv, mv = (t.med(s_, wl, p) for s_ in ("forksafe", "torch", "mp"))
                 pp = fl("floor_pingpong", "64 B" + pl)
                 floor = pp
                 if wl == "w2_fresh" and pp is not None:
@@ -405,6 +409,65 @@ def main():
         chart(t, a.png, pingpong)
 
 
+# (label, workload, param of forksafe_py and torch, param of forksafe C++)
+PY_ROWS = (
+    [("Queue round trip, shared tensor, %s (unpinned)" % z, "w1_roundtrip", z, z) for z in SIZES]
+    + [("Queue send, fresh tensor, %s (unpinned)" % z, "w2_fresh", z, z) for z in SIZES]
+    + [("Pool(2).map, sum of each of %s" % p, "w3_poolmap", p, p)
+       for p in ("2000 x 4 KiB", "500 x 1 MiB")]
+    + [("spawn(nprocs=2), start=spawn, end to end", "w4_spawn", "start=spawn", "start=spawn"),
+       ("spawn(nprocs=2), start=fork, end to end", "w4_spawn_fork", "start=fork", "start=fork"),
+       ("child raises → parent's error (start=fork)", "w4_failure", "start=fork", "start=fork"),
+       ("Pool(2) start + first result + close/join", "w5_pool", "start=fork", "start=fork"),
+       ("fork with busy pools, child uses them (good trials)", "w6_busy_fork", "", "")])
+
+
+def python_table(t, w, summary, all_hung):
+    """forksafe.multiprocessing (Python) against torch.multiprocessing, the same script with only
+    the import changed (peers_torch.py with PEERS_PY_SYSTEM=forksafe_py), and against
+    forksafe's own C++ figure."""
+    if not any(t.med("forksafe_py", wl, p) is not None for _, wl, p, _ in PY_ROWS):
+        return
+    w("Python against Python: `bench/peers/peers_torch.py` run twice, on torch.multiprocessing "
+      "and on forksafe.multiprocessing (`PEERS_PY_SYSTEM=forksafe_py`: only the import line "
+      "differs). Targets: forksafe's Python API at least %gx faster than torch's, and within "
+      "%gx of forksafe's C++ figure (the first table)." % (PY_TORCH_TARGET, PY_CPP_TARGET))
+    w("")
+    w("| workload | forksafe.multiprocessing | torch.multiprocessing | forksafe (C++) | "
+      "torch ÷ forksafe Python | forksafe Python ÷ C++ | targets met? |")
+    w("|---|---:|---:|---:|---:|---:|---|")
+    for label, wl, param, cpp_param in PY_ROWS:
+        py = t.med("forksafe_py", wl, param)
+        tv = t.med("torch", wl, param)
+        cpp = t.med("forksafe", wl, cpp_param)
+        verdicts = []
+        hung = all_hung("torch", wl, param)
+        tcell = t.cell("torch", wl, param)
+        r_t = ratio(tv, py)
+        r_t_text = fr(r_t)
+        if hung and py:
+            tcell = "hung: %d of %d trials" % (hung[1], hung[0])
+            r_t = 2e6 / py
+            r_t_text = "≥" + fr(r_t)
+        if r_t is not None:
+            ok = r_t >= PY_TORCH_TARGET
+            verdicts.append(("yes" if ok else "**no**") + " (≥%gx torch: %s)" % (PY_TORCH_TARGET,
+                                                                                 r_t_text))
+            summary.append(("Python: " + label, "≥%gx faster than torch" % PY_TORCH_TARGET,
+                            r_t_text, ok))
+        r_c = ratio(py, cpp)
+        if r_c is not None:
+            ok = r_c <= PY_CPP_TARGET
+            verdicts.append(("yes" if ok else "**no**") + " (≤%gx C++: %s)" % (PY_CPP_TARGET,
+                                                                               fr(r_c)))
+            summary.append(("Python: " + label, "within %gx of forksafe's C++" % PY_CPP_TARGET,
+                            fr(r_c), ok))
+        w("| %s | %s | %s | %s | %s | %s | %s |" % (
+            label, t.cell("forksafe_py", wl, param), tcell, t.cell("forksafe", wl, cpp_param),
+            r_t_text, fr(r_c), "; ".join(verdicts) or "—"))
+    w("")
+
+
 def chart(t, path, pingpong):
     import matplotlib
     matplotlib.use("Agg")
@@ -412,8 +475,9 @@ def chart(t, path, pingpong):
 
     xs = [SIZE_BYTES[s] for s in SIZES]
     fig, ax = plt.subplots(figsize=(7.0, 4.3), dpi=80)
-    colors = {"forksafe": "#1f77b4", "torch": "#d62728", "mp": "#2ca02c"}
-    names = {"forksafe": "forksafe", "torch": "torch.multiprocessing", "mp": "multiprocessing+numpy"}
+    colors = {"forksafe": "#1f77b4", "torch": "#d62728", "mp": "#2ca02c", "forksafe_py": "#9467bd"}
+    names = {"forksafe": "forksafe", "torch": "torch.multiprocessing", "mp": "multiprocessing+numpy",
+             "forksafe_py": "forksafe.multiprocessing (Python)"}
     for sysname in SYSTEMS:
         for wl, style, what in (("w1_roundtrip", "-", "round trip, shared"),
                                 ("w2_fresh", "--", "send, fresh")):

@@ -1,4 +1,5 @@
-"""bench/peers/peers_torch.py: the side-by-side workloads written with torch.multiprocessing.
+"""bench/peers/peers_torch.py: the side-by-side workloads written with torch.multiprocessing
+(and, with PEERS_PY_SYSTEM=forksafe_py, the same script on forksafe.multiprocessing).
 
 Same work, same checks and same JSON lines as peers_forksafe.cc (see docs/peers.md). Run with
 Debian's interpreter, which has python3-torch:
@@ -16,12 +17,20 @@ import threading
 import time
 
 import torch
-import torch.multiprocessing as tmp
 
 import peerlib
 from peerlib import now_us
 
-SYSTEM = "torch"
+# PEERS_PY_SYSTEM=forksafe_py runs the same script on forksafe.multiprocessing (the Python
+# package, on PYTHONPATH: bench/peers/run.sh assembles it): Python against Python, with only the
+# import changed.
+SYSTEM = os.environ.get("PEERS_PY_SYSTEM", "torch")
+if SYSTEM == "forksafe_py":
+    import forksafe.multiprocessing as tmp
+elif SYSTEM == "torch":
+    import torch.multiprocessing as tmp
+else:
+    raise SystemExit(f"PEERS_PY_SYSTEM={SYSTEM!r}: use torch (the default) or forksafe_py")
 
 
 # ---- 1. Queue round trip of an already-shared tensor ---------------------------------------------
@@ -324,7 +333,10 @@ def main():
         out.guard("w4_failure", "start=fork", lambda: failure_latency(out, plans["w4_failure"]))
     if args.wants("w5"):
         out.guard("w5_pool", "start=fork", lambda: pool_lifecycle(out, plans["w5_pool"]))
-    if args.wants("w6"):
+    if args.wants("w6") and SYSTEM == "forksafe_py":
+        # forksafe is loaded (imported): its at-fork handlers cover torch's os.fork().
+        out.guard("w6_busy_fork", "", lambda: busy_fork(out, plans["w6_busy_fork"], False))
+    elif args.wants("w6"):
         out.guard("w6_busy_fork", "", lambda: busy_fork(out, plans["w6_busy_fork"], False))
         out.guard("w6_busy_fork", "child set_num_threads(1)",
                   lambda: busy_fork(out, plans["w6_busy_fork"], True))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # bench/peers/run.sh: forksafe against torch.multiprocessing and Python's multiprocessing, side by
-# side, in one command (docs/peers.md):
+# side, in one command (docs/peers.md), and forksafe's Python package against torch's, Python
+# against Python:
 #
 #   bash bench/peers/run.sh
 #
@@ -48,13 +49,19 @@ command -v taskset >/dev/null || { log "taskset (util-linux) is needed"; exit 1;
 # ---- 2. build -----------------------------------------------------------------------------------------
 log "building //bench/peers:peers_forksafe, :peers_forksafe_openmp, :peers_floor, //:libforksafe.so"
 bazel build //bench/peers:peers_forksafe //bench/peers:peers_forksafe_openmp \
-  //bench/peers:peers_floor //:libforksafe.so
+  //bench/peers:peers_floor //:libforksafe.so //python:_forksafe.so
 BIN=$(bazel info bazel-bin 2>/dev/null)
 rm -rf "$OUT"
 mkdir -p "$OUT/bin"
 # A private copy: another bazel command in this checkout may rebuild or relink meanwhile.
 cp "$BIN/bench/peers/peers_forksafe" "$BIN/bench/peers/peers_forksafe_openmp" \
   "$BIN/bench/peers/peers_floor" "$BIN/libforksafe.so" "$OUT/bin/"
+# forksafe.multiprocessing, the Python column (peers_torch.py with PEERS_PY_SYSTEM=forksafe_py):
+# the package assembled as tools/python_package.sh does, from the same build.
+mkdir -p "$OUT/pypkg/forksafe"
+(cd python/forksafe && find . -name '*.py' -exec install -m 644 -D {} "../../$OUT/pypkg/forksafe/{}" \;)
+install -m 755 "$BIN/python/_forksafe.so" "$OUT/pypkg/forksafe/_forksafe.so"
+install -m 755 "$BIN/libforksafe.so" "$OUT/pypkg/forksafe/libforksafe.so.0"
 # torch's workload 6 has a variant with forksafe loaded into the interpreter (peers_torch.py).
 export PEERS_FORKSAFE_LIB="$PWD/$OUT/bin/libforksafe.so"
 T_BUILD=$(( $(date +%s) - T0 ))
@@ -110,13 +117,16 @@ system_cmd() {  # the command line of one system
     forksafe) echo "$OUT/bin/peers_forksafe" ;;
     torch) echo "$PY $PEERS/peers_torch.py" ;;
     mp) echo "$PY $PEERS/peers_mp.py" ;;
+    forksafe_py) echo "env PYTHONPATH=$PWD/$OUT/pypkg PEERS_PY_SYSTEM=forksafe_py $PY $PEERS/peers_torch.py" ;;
   esac
 }
-SYSTEMS=(forksafe torch mp)
+SYSTEMS=(forksafe torch mp forksafe_py)
 T_MEASURE=$(date +%s)
 for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
   order=()
-  for ((k = 0; k < 3; k++)); do order+=("${SYSTEMS[$(( (ROUND - 1 + k) % 3 ))]}"); done
+  for ((k = 0; k < ${#SYSTEMS[@]}; k++)); do
+    order+=("${SYSTEMS[$(( (ROUND - 1 + k) % ${#SYSTEMS[@]} ))]}")
+  done
   log "round $ROUND/$ROUNDS: floor, ${order[*]}, then workloads 1-2 pinned, then breakdowns"
   args=(--round "$ROUND" --plan "$PLAN")
   only=()

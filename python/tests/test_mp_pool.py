@@ -260,3 +260,79 @@ def test_start_processes_without_join_returns_a_context():
     assert mp.spawn(child_ok, args=(q,), nprocs=1) is None
     with pytest.raises(ValueError, match="nprocs"):
         mp.spawn(child_ok, args=(q,), nprocs=0)
+
+
+# ---- the handler thread under stress (review findings) ----------------------------------------
+
+def ident(x):
+    return x
+
+
+class Unbuildable:
+    def __reduce__(self):
+        return _refuse, ()
+
+
+def _refuse():
+    raise RuntimeError("this result cannot be rebuilt here")
+
+
+def unbuildable(_):
+    return Unbuildable()
+
+
+def join_within(pool, seconds):
+    t = threading.Thread(target=pool.join, daemon=True)
+    t.start()
+    t.join(seconds)
+    return not t.is_alive()
+
+
+def test_terminate_while_results_are_in_flight_stops_every_worker():
+    for _ in range(5):
+        pool = mp.Pool(2)
+        r = pool.map_async(ident, range(100000), chunksize=1)
+        time.sleep(0.1)
+        pool.terminate()
+        assert not pool._handler.is_alive()
+        assert all(not w.process.is_alive() for w in pool._workers)
+        with pytest.raises(forksafe.CancelledError):
+            r.get(T)
+
+
+def test_close_and_join_end_when_workers_leave_after_close():
+    pool = mp.Pool(2, maxtasksperchild=1)
+    r = pool.map_async(square, range(10), chunksize=1)
+    pool.close()
+    assert r.get(T) == [x * x for x in range(10)]
+    assert join_within(pool, T)
+
+
+def test_close_and_join_do_not_wait_for_the_imap_consumer():
+    pool = mp.Pool(2)
+    it = pool.imap(square, range(50))
+    pool.close()
+    assert join_within(pool, T), "join() waited for an imap nobody consumed yet"
+    assert list(it) == [x * x for x in range(50)]
+
+
+def test_a_result_that_cannot_be_rebuilt_fails_its_task_and_the_pool_goes_on():
+    with mp.Pool(1) as pool:
+        with pytest.raises(RuntimeError, match="cannot be rebuilt"):
+            pool.apply_async(unbuildable, (0,)).get(T)
+        assert pool.map(square, range(4)) == [0, 1, 4, 9]
+
+
+def test_a_callback_may_submit_more_work():
+    done = threading.Event()
+    results = []
+    with mp.Pool(2) as pool:
+        def again(value):
+            results.append(value)
+            if len(results) < 3:
+                pool.apply_async(square, (value,), callback=again)
+            else:
+                done.set()
+        pool.apply_async(square, (2,), callback=again)
+        assert done.wait(T)
+    assert results == [4, 16, 256]

@@ -391,3 +391,34 @@ def test_value_typecodes_locks_and_errors():
     with pytest.raises(AttributeError):
         mp.Value("i", lock="yes")
     assert len(mp.Array("d", 4)) == 4 and mp.RawValue("i").value == 0
+
+
+def send_on_stdlib_connection(conn):
+    conn.send("through multiprocessing's own Pipe")
+
+
+def test_multiprocessings_own_objects_still_cross_to_a_spawned_child():
+    import multiprocessing
+    a, b = multiprocessing.Pipe()
+    p = mp.get_context("spawn").Process(target=send_on_stdlib_connection, args=(b,))
+    p.start()
+    assert a.poll(60)
+    assert a.recv() == "through multiprocessing's own Pipe"
+    assert finish([p]) == [0]
+
+
+def spawn_child_puts(q, i):
+    q.put(i)
+
+
+def test_processes_started_from_several_threads_at_once_get_their_own_descriptors():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=spawn_child_puts, args=(q, i)) for i in range(6)]
+    threads = [threading.Thread(target=p.start) for p in procs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(q.get(timeout=60) for _ in procs) == list(range(6))
+    assert finish(procs) == [0] * 6

@@ -77,7 +77,8 @@ def test_a_receivers_writes_are_seen_by_the_sender_through_a_queue(method, kind)
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_process_arguments_share_memory(method):
     ctx = mp.get_context(method)
-    arr, ten, out = mp.shared_ndarray(5), torch.zeros(5), ctx.Queue()
+    # torch.share_memory_() first, as torch needs for fork (spawn would move it anyway).
+    arr, ten, out = mp.shared_ndarray(5), torch.zeros(5).share_memory_(), ctx.Queue()
     procs = [ctx.Process(target=add_one_to_arg, args=(arr, out)),
              ctx.Process(target=add_one_to_arg, args=(ten, out))]
     for p in procs:
@@ -136,10 +137,16 @@ def test_pipes_and_pools_carry_tensors():
 
 
 def test_forksafe_tensors_cross_and_can_be_shared():
-    t = forksafe.Tensor.zeros([4])
-    assert not t.is_shared()
-    mp.share_memory(t)
-    assert t.is_shared() and mp.is_shared(t)
+    private = forksafe.Tensor.zeros([1 << 20])
+    view = np.asarray(private)  # a view of the private memory: sending must not free it
+    q = mp.Queue()
+    q.put(private)
+    np.asarray(q.get(timeout=5))[:] = 5  # a shared copy crossed
+    big = [np.ones(1 << 20, np.float32) for _ in range(4)]  # reuse any memory freed meanwhile
+    assert not private.is_shared() and view.sum() == 0 and np.asarray(private).sum() == 0
+    del big
+    t = mp.share_memory(forksafe.Tensor.zeros([4]))
+    assert t.is_shared() and mp.is_shared(t) and mp.share_memory(t) is t
     q = mp.Queue()
     q.put(t)
     got = q.get(timeout=5)
@@ -192,3 +199,18 @@ def test_nothing_leaks_across_many_messages():
     gc.collect()
     assert count_fds() <= fds, "descriptors leaked"
     assert shm_entries() <= shm, f"/dev/shm entries leaked: {shm_entries() - shm}"
+
+
+def test_structured_conjugated_and_sent_views_keep_their_values():
+    q = mp.Queue()
+    rec = mp.shared_ndarray(3, [("a", "<i4"), ("b", "<f8")])
+    rec["a"] = [1, 2, 3]
+    q.put(rec)
+    got = q.get(timeout=5)
+    assert got.dtype.names == ("a", "b") and got["a"].tolist() == [1, 2, 3]
+    z = torch.tensor([1 + 2j, 3 - 4j]).conj()
+    q.put(z)
+    assert q.get(timeout=5).tolist() == z.tolist()
+    n = torch.tensor([1.0, 2.0])._neg_view()
+    q.put(n)
+    assert q.get(timeout=5).tolist() == [-1.0, -2.0]

@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <functional>
+#include <future>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -382,6 +384,40 @@ TEST(SharingTest, AForkedChildDoesNotHandOutTheParentsCachedBlocks) {
   // The parent still serves its cached blocks.
   Tensor again = SharedEmpty({1024});
   EXPECT_EQ(parents.count(again.data_ptr()), 1u);
+}
+
+TEST(SharingTest, AForkedChildMapsABlockItsParentReusedAfterTheFork) {
+  // The child inherits the parent's identity of a block it had received (a storage of 8 bytes);
+  // after the fork the parent lets go of the block and hands its memory out again for 16 bytes.
+  // The child must see a new block there, not the inherited 8-byte storage (which failed:
+  // "needs 16 bytes of storage, but the storage has 8"; python/tests/test_mp_tensors.py).
+  auto [parent_end, child_end] = Pipe();
+  Queue q;
+  std::optional<Tensor> small = SharedEmpty({2});
+  q.put(*small);
+  std::optional<Tensor> received = q.get<Tensor>(true, 5.0);
+  const void* where = small->data_ptr();
+  auto child = std::async(std::launch::async, [&, c = child_end] {
+    return forksafe::testing::RunInChild(
+        [&] {
+          Connection conn = c;
+          conn.send_bytes("forked");
+          Tensor t = conn.recv<Tensor>();
+          if (t.numel() != 4 || t.item<float>({3}) != 7.0f) return 2;
+          return 0;
+        },
+        30s, 30);
+  });
+  EXPECT_EQ(parent_end.recv_bytes(), "forked");
+  received.reset();
+  small.reset();
+  Tensor bigger = SharedEmpty({4});
+  bigger.set<float>({3}, 7.0f);
+  const bool reused = bigger.data_ptr() == where;
+  parent_end.send(bigger);
+  const forksafe::testing::ChildResult r = child.get();
+  EXPECT_TRUE(r.ok()) << r.Describe();
+  EXPECT_TRUE(reused) << "the arena did not hand the freed block out again: the case is not met";
 }
 
 TEST(SharingTest, RunningOutIsAClearErrorNotASigbus) {

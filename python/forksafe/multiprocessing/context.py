@@ -27,20 +27,10 @@ class _ForksafeProcess:
     """What every forksafe Process adds to the standard library's."""
 
     def start(self):
-        if self._start_method_name() == "fork":
-            # As with spawn, a torch tensor or module given to the child is shared with it (torch
-            # needs model.share_memory() first for fork): their storages move to shared memory.
-            reduction.share_torch_arguments(self._args, self._kwargs)
         try:
             super().start()
         finally:
             reduction.close_pending_spawn_fds()
-
-    def _start_method_name(self):
-        method = getattr(self, "_start_method", None)
-        if method is None:  # the module-level Process: the default context's method
-            method = _default.get_start_method()
-        return method
 
     def __reduce__(self):
         # Only spawn and forkserver pickle a Process (to start it): its state goes through

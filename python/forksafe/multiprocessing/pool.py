@@ -234,6 +234,7 @@ class _Job:
         self.chunks = chunks  # iterator of lists
         self.next_index = 0
         self.ended = False
+        self.retry = collections.deque()  # (index, chunk) to send again
 
 
 class _WorkerSlot:
@@ -267,6 +268,7 @@ class Pool:
         self._maxtasks = maxtasksperchild
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        self._wake_lock = threading.Lock()  # the wake pipe's descriptors (closed by join)
         self._jobs = collections.deque()  # _Job with chunks left
         self._pending = set()  # results not finished
         self._state = _RUN
@@ -275,8 +277,18 @@ class Pool:
         self._deliver_lock = threading.RLock()
         self._workers = []
         self._wake_r, self._wake_w = os.pipe()
-        for _ in range(processes):
-            self._workers.append(self._start_worker())
+        os.set_blocking(self._wake_w, False)  # a full pipe already wakes the handler
+        try:
+            for _ in range(processes):
+                self._workers.append(self._start_worker())
+        except BaseException:  # the Nth could not start: end the ones that did
+            for w in self._workers:
+                w.process.kill()
+                w.process.join()
+                w.conn.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
         self._handler = threading.Thread(target=self._handle, name="forksafe-pool-handler",
                                          daemon=True)
         self._handler.start()
@@ -285,21 +297,49 @@ class Pool:
     # ---- workers ---------------------------------------------------------------------------
     def _start_worker(self):
         parent_end, child_end = Pipe()
-        p = self._ctx.Process(target=_worker, name="ForksafePoolWorker",
-                              args=(child_end, self._initializer, self._initargs, self._maxtasks),
-                              daemon=True)
-        p.start()
-        child_end.close()
+        try:
+            p = self._ctx.Process(target=_worker, name="ForksafePoolWorker",
+                                  args=(child_end, self._initializer, self._initargs,
+                                        self._maxtasks),
+                                  daemon=True)
+            p.start()
+        except BaseException:
+            parent_end.close()
+            raise
+        finally:
+            child_end.close()
         return _WorkerSlot(p, parent_end)
 
     def _wake(self):
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:  # BlockingIOError: full, the handler will wake anyway
+                pass
 
     # ---- the handler thread ------------------------------------------------------------------
     def _handle(self):
+        try:
+            self._handle_loop()
+        except BaseException as e:  # a bug or a resource failure: fail what waits, never hang
+            with self._lock:
+                if self._state != _TERMINATE:
+                    self._state = _TERMINATE
+                from ..errors import InternalError
+                err = InternalError(f"the Pool's handler thread failed ({type(e).__name__}: {e}); "
+                                    "the pool is terminated")
+                err.__cause__ = e
+                self._fail_all_locked(err)
+            try:
+                self._flush()
+            except BaseException:
+                pass
+        finally:
+            self._stop_workers()
+
+    def _handle_loop(self):
         while True:
             with self._lock:
                 if self._state == _TERMINATE:
@@ -323,19 +363,27 @@ class Pool:
                         self._reap_locked(w)
             self._flush()
         self._flush()
-        self._stop_workers()
 
     def _read_locked(self, w):
         try:
             kind, payload = w.conn.recv()
         except (EOFError, OSError):
             return  # the sentinel says what happened
+        except Exception as e:  # a result that cannot be rebuilt here: that task fails with it
+            if w.task is not None:
+                job, index = w.task
+                w.task = None
+                w.done += 1
+                self._deliver(job.result, index, False, e)
+            return
         if kind == "ready":
             w.ready = True
         elif kind == "init_error":
             self._broken = payload
             self._fail_all_locked(payload)
         elif kind == "result":
+            if w.task is None:
+                return  # its result was failed already (terminate, an initializer's error)
             job, index = w.task
             w.task = None
             w.done += 1
@@ -362,7 +410,10 @@ class Pool:
                 f"of {job.func.__qualname__ if hasattr(job.func, '__qualname__') else job.func}; "
                 "that chunk's result fails with this error and the pool replaced the worker")
             self._deliver(job.result, index, False, err)
-        if self._state == _RUN and self._broken is None:
+        # Replaced while the pool runs, and after close() while work is left (maxtasksperchild,
+        # a crash): close() + join() must not wait for ever on chunks nobody can take.
+        busy = bool(self._jobs) or any(x.task is not None for x in self._workers)
+        if self._broken is None and (self._state == _RUN or (self._state == _CLOSE and busy)):
             self._workers.append(self._start_worker())
 
     def _deliver(self, result, index, ok, value):
@@ -383,6 +434,13 @@ class Pool:
                     traceback.print_exc()
 
     def _next_chunk_locked(self):
+        for job in self._jobs:
+            if job.retry:  # chunks whose worker was gone when they were sent
+                index, chunk = job.retry.popleft()
+                return job, index, chunk
+        return self._fresh_chunk_locked()
+
+    def _fresh_chunk_locked(self):
         """(job, index, chunk) for an idle worker, or None. An imap job gives a chunk only while
         fewer than 2 * processes of its chunks are running or waiting for the consumer: its
         input is read as results are consumed, never all at once."""
@@ -390,7 +448,7 @@ class Pool:
             if job.result.ready() and not isinstance(job.result, IMapIterator):
                 self._jobs.remove(job)  # failed already: skip its other chunks
                 continue
-            if (isinstance(job.result, IMapIterator)
+            if (isinstance(job.result, IMapIterator) and self._state == _RUN
                     and job.next_index - job.result._taken >= 2 * self._processes):
                 continue
             try:
@@ -424,6 +482,12 @@ class Pool:
                 job, index, chunk = picked
                 try:
                     w.conn.send((job.func, job.star, chunk))
+                except (OSError, EOFError):  # the worker died idle: another one takes the chunk
+                    job.retry.append((index, chunk))
+                    if job not in self._jobs:
+                        self._jobs.appendleft(job)
+                    w.ready = False
+                    break
                 except Exception as e:  # an argument cannot be pickled: that chunk fails
                     self._deliver(job.result, index, False, e)
                     continue
@@ -442,6 +506,8 @@ class Pool:
                 w.task = None
                 self._deliver(job.result, index, False, err)
         for job in list(self._jobs):
+            while job.retry:
+                self._deliver(job.result, job.retry.popleft()[0], False, err)
             self._deliver(job.result, job.next_index, False, err)
             job.next_index += 1
             if isinstance(job.result, (MapResult, IMapIterator)):
@@ -570,20 +636,22 @@ class Pool:
                                                  "finished"))
         self._flush()
         self._wake()
-        if os.getpid() == self._pid:
+        if os.getpid() == self._pid and threading.current_thread() is not self._handler:
             self._handler.join()
-        self._close_wake()
+            self._close_wake()
 
     def join(self):
         """Waits for the workers to exit; call close() or terminate() first."""
         if self._state == _RUN:
             raise ValueError("Pool is still running: call close() or terminate() first")
+        if threading.current_thread() is self._handler:
+            raise RuntimeError("Pool.join() from one of its own callbacks would wait for itself")
         if os.getpid() == self._pid:
             self._handler.join()
         self._close_wake()
 
     def _close_wake(self):
-        with self._lock:
+        with self._wake_lock:
             fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
         for fd in fds:
             if fd >= 0:

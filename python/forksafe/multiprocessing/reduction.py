@@ -20,11 +20,15 @@ once pickled or adopted, whatever fails); an object that cannot cross (a lambda,
 function) raises forksafe.InvalidArgumentError naming it and saying what to do.
 """
 
+import copyreg
 import ctypes
 import io
 import os
 import pickle
 import sys
+import threading
+import types
+import weakref
 
 from .. import _forksafe
 from ..errors import InvalidArgumentError
@@ -111,11 +115,14 @@ def shared_ndarray(shape, dtype="float64"):
 
 
 def share_memory(obj):
-    """numpy: a copy of `obj` in shared memory (itself when it is already shared). torch: moves
-    the tensor's storage into forksafe's shared memory in place and returns the tensor (as
-    ``tensor.share_memory_()``). forksafe.Tensor: moved in place."""
+    """numpy and forksafe.Tensor: a copy of `obj` in shared memory (`obj` itself when it is
+    already shared; its memory cannot move while views of it may exist). torch: moves the
+    tensor's storage into forksafe's shared memory in place and returns the tensor (as
+    ``tensor.share_memory_()``; views taken before keep the old memory)."""
     if isinstance(obj, Tensor):
-        return _mp.share_memory_(obj)
+        if obj.is_shared() or obj.device != "cpu":
+            return obj
+        return _mp.share_memory_(obj.clone())
     torch = _torch_module()
     if torch is not None and isinstance(obj, torch.Tensor):
         _share_torch_(obj)
@@ -152,10 +159,16 @@ def _untyped_storage(t):
     return t.storage().untyped()
 
 
+def _storage_ptr(t):
+    # The address of t's storage, without making a storage object (that costs microseconds).
+    return t.data_ptr() - t.storage_offset() * t.element_size()
+
+
 def _torch_storage_tensor(t):
     if t.device.type != "cpu":
         return None
-    return _torch_shared.get(_untyped_storage(t).data_ptr())
+    entry = _torch_shared.get(_storage_ptr(t))
+    return entry[0] if entry is not None else None
 
 
 def _share_torch_(t):
@@ -170,54 +183,60 @@ def _share_torch_(t):
         return t
     storage = _untyped_storage(t)
     nbytes = storage.nbytes()
+    _prune_torch_records()  # what dead records hold goes back to the arena before allocating
     fs = _mp.shared_empty([max(nbytes, 1)], "uint8")
-    new = torch.from_dlpack(fs)[:nbytes]
+    base = torch.from_dlpack(fs)
     if nbytes:
-        new.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        base[:nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
     with torch.no_grad():
-        t.set_(_untyped_storage(new), t.storage_offset(), t.size(), t.stride())
-    _remember_torch_storage(t, fs)
+        t.set_(_untyped_storage(base), t.storage_offset(), t.size(), t.stride())
+    _remember_torch_storage(fs, base)
     return t
 
 
 _pruned_at = 64
+_bytes_since_prune = 0
+_PRUNE_BYTES = 64 << 20
 
 
-def _remember_torch_storage(t, fs):
-    """Records that `t`'s storage is forksafe tensor `fs`'s memory. The record holds a handle of
-    `fs`; records whose torch storage is gone (the record's handle is the last one) are dropped
-    from time to time, so the memory returns to the arena."""
-    global _pruned_at
-    _torch_shared[_untyped_storage(t).data_ptr()] = fs
-    if len(_torch_shared) >= _pruned_at:
-        for ptr, held in list(_torch_shared.items()):
-            if held._storage_use_count() <= 1:
-                del _torch_shared[ptr]
-        _pruned_at = max(64, 2 * len(_torch_shared))
+def _remember_torch_storage(fs, base):
+    """Records that the torch uint8 tensor `base` views forksafe tensor `fs`'s whole memory.
+    The record holds `fs` and a weak reference to `base`: a later message over the same memory
+    makes its tensor from `base` (no new DLPack import), and a tensor sent again is found by its
+    storage's address. A record whose memory no torch tensor uses any more (its `fs` handle is
+    the last one) is dropped at the next prune, which runs once the records doubled in number
+    or 64 MiB were recorded since the last: the memory then returns to the arena. (Hazard: until
+    then the record keeps that memory.)"""
+    global _bytes_since_prune
+    _torch_shared[fs.data_ptr()] = (fs, weakref.ref(base))
+    _bytes_since_prune += fs.nbytes
+    if len(_torch_shared) >= _pruned_at or _bytes_since_prune >= _PRUNE_BYTES:
+        _prune_torch_records()
 
 
-def share_torch_arguments(args, kwargs):
-    """Moves the torch CPU tensors among a forked Process's arguments (top level, and the
-    parameters and buffers of modules) to shared memory, so the child shares them."""
-    torch = _torch_module()
-    if torch is None:
-        return
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, torch.nn.Module):
-            for t in list(value.parameters()) + list(value.buffers()):
-                if t.device.type == "cpu" and not t.is_sparse:
-                    _share_torch_(t)
-        elif (isinstance(value, torch.Tensor) and value.device.type == "cpu"
-              and value.layout == torch.strided and (value.is_leaf or not value.requires_grad)):
-            _share_torch_(value)
+def _prune_torch_records():
+    global _pruned_at, _bytes_since_prune
+    for ptr, (held, ref) in list(_torch_shared.items()):
+        if ref() is None and held._storage_use_count() <= 1:
+            del _torch_shared[ptr]
+    _pruned_at = max(64, 2 * len(_torch_shared))
+    _bytes_since_prune = 0
 
 
 def _rebuild_torch(fs, dtype, size, stride, offset, requires_grad, parameter):
     torch = _torch_module() or __import__("torch")
-    flat = torch.from_dlpack(fs)
-    t = torch.empty(0, dtype=getattr(torch, dtype))
-    t.set_(_untyped_storage(flat), offset, size, stride)
-    _remember_torch_storage(t, fs)
+    entry = _torch_shared.get(fs.data_ptr())
+    base = entry[1]() if entry is not None else None
+    if base is None or base.numel() != fs.nbytes:
+        base = torch.from_dlpack(fs)
+        _remember_torch_storage(fs, base)
+    torch_dtype = getattr(torch, dtype)
+    try:
+        # A view of `base`: it keeps `base` alive, so the next message over this memory finds it.
+        t = base.view(torch_dtype).as_strided(size, stride, offset)
+    except RuntimeError:  # the memory's size is not a multiple of the element's
+        t = torch.empty(0, dtype=torch_dtype)
+        t.set_(_untyped_storage(base), offset, size, stride)
     if parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
@@ -229,62 +248,59 @@ def _rebuild_torch(fs, dtype, size, stride, offset, requires_grad, parameter):
 
 
 class _Pickler(pickle.Pickler):
+    """pickle with out-of-band items. reducer_override sees only objects that are not atomic
+    (int, str, tuple, dict, ... never reach it), so plain data pickles at C speed."""
+
     def __init__(self, file, tensors, fds):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._tensors = tensors
         self._fds = fds
-
-    def _add_fds(self, fds):
-        first = len(self._fds)
-        self._fds.extend(fds)
-        return first, len(fds)
+        # multiprocessing's own reducers (its Connections, sockets, and what libraries
+        # registered with ForkingPickler) keep working for what forksafe does not take.
+        self.dispatch_table = _dispatch_table()
 
     def _add_tensor(self, t):
         self._tensors.append(t)
         return len(self._tensors) - 1
 
-    def persistent_id(self, obj):
-        if isinstance(obj, _CTYPES):  # RawValue / RawArray: their shared block crosses
-            block = getattr(obj, "_forksafe_block", None)
-            if block is not None:
-                data, fds = block._handle._encode()
-                first, n = self._add_fds(fds)
-                return ("R", type(block), data, first, n, block._extra())
-            return None
-        if isinstance(obj, Shareable):
-            data, fds = obj._handle._encode()
-            first, n = self._add_fds(fds)
-            return ("O", type(obj), data, first, n, obj._extra())
-        if isinstance(obj, Tensor):
-            return ("T", self._add_tensor(obj))
-        np = _numpy()
-        if np is not None and type(obj) is np.ndarray and not obj.dtype.hasobject:
+    def _add_object(self, kind, block_or_obj):
+        data, fds = block_or_obj._handle._encode()
+        first = len(self._fds)
+        self._fds.extend(fds)
+        return _load_item, (kind, type(block_or_obj), data, first, len(fds),
+                            block_or_obj._extra())
+
+    def reducer_override(self, obj):
+        cls = type(obj)
+        if cls is Tensor:
+            if obj.device == "cpu" and not obj.is_shared():
+                # A shared copy crosses; the tensor itself stays where it is (moving it would
+                # free the memory that numpy or DLPack views of it still point at).
+                obj = _mp.share_memory_(obj.clone())
+            return _load_item, ("T", self._add_tensor(obj))
+        np = _np or _numpy()
+        if np is not None and cls is np.ndarray:
+            if obj.dtype.hasobject:
+                return NotImplemented
             fs = _forksafe_tensor_of_array(obj)
             if fs is None:
                 obj = share_memory(obj)
                 fs = _forksafe_tensor_of_array(obj)
             offset = obj.__array_interface__["data"][0] - fs.data_ptr()
-            return ("N", self._add_tensor(fs), obj.dtype.str, obj.shape, obj.strides, offset)
-        torch = _torch_module()
-        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            if obj.requires_grad and not obj.is_leaf:
-                raise InvalidArgumentError(
-                    "a torch tensor that requires grad and is not a leaf cannot cross processes "
-                    "(its graph stays here); send tensor.detach()")
-            if obj.is_sparse or obj.layout != torch.strided:
-                return None
-            _share_torch_(obj)
-            fs = _torch_storage_tensor(obj)
-            return ("P", self._add_tensor(fs), str(obj.dtype).split(".")[1], tuple(obj.size()),
-                    obj.stride(), obj.storage_offset(), obj.requires_grad,
-                    isinstance(obj, torch.nn.Parameter))
-        return None
-
-    def reducer_override(self, obj):
-        # Functions pickle by name: a lambda or a local function cannot be found by the
-        # receiver. Say so here, with the name, instead of pickle's PicklingError deep inside.
-        if type(obj).__name__ == "function":
-            qualname = getattr(obj, "__qualname__", "")
+            dtype = obj.dtype.str if obj.dtype.fields is None else obj.dtype  # fields travel
+            return _load_item, ("N", self._add_tensor(fs), dtype, obj.shape, obj.strides, offset)
+        torch = _torch or _torch_module()
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self._reduce_torch(torch, obj)
+        if isinstance(obj, Shareable):
+            return self._add_object("O", obj)
+        if isinstance(obj, _CTYPES):  # RawValue / RawArray: their shared block crosses
+            block = getattr(obj, "_forksafe_block", None)
+            return self._add_object("R", block) if block is not None else NotImplemented
+        if cls is _FunctionType:
+            # Functions pickle by name: a lambda or a local function cannot be found by the
+            # receiver. Say so here, with the name, not with pickle's error deep inside.
+            qualname = obj.__qualname__
             if "<lambda>" in qualname or "<locals>" in qualname:
                 raise InvalidArgumentError(
                     f"{obj.__module__}.{qualname} cannot be sent to another process: lambdas and "
@@ -292,34 +308,64 @@ class _Pickler(pickle.Pickler):
                     "the top level of a module (the main script works) and pass that.")
         return NotImplemented
 
+    def _reduce_torch(self, torch, obj):
+        if (obj.device.type != "cpu" or obj.is_sparse or obj.layout != torch.strided
+                or obj.is_quantized):
+            return NotImplemented  # torch's own pickling (CUDA tensors: torch's reductions)
+        if obj.is_conj() or obj.is_neg():
+            # A lazily conjugated or negated view: its memory alone would give the wrong
+            # values. It crosses as a resolved (shared) copy.
+            obj = obj.resolve_conj().resolve_neg()
+        if obj.requires_grad and not obj.is_leaf:
+            raise InvalidArgumentError(
+                "a torch tensor that requires grad and is not a leaf cannot cross processes "
+                "(its graph stays here); send tensor.detach()")
+        fs = _torch_storage_tensor(obj)
+        if fs is None:
+            _share_torch_(obj)
+            fs = _torch_storage_tensor(obj)
+        return _load_item, ("P", self._add_tensor(fs), str(obj.dtype)[6:], tuple(obj.size()),
+                            obj.stride(), obj.storage_offset(), obj.requires_grad,
+                            type(obj) is torch.nn.Parameter)
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, tensors, fds, used):
-        super().__init__(file)
-        self._tensors = tensors
-        self._fds = fds
-        self._used = used
 
-    def persistent_load(self, pid):
-        kind = pid[0]
-        if kind in ("O", "R"):
-            _, cls, data, first, n, extra = pid
-            fds = self._fds[first:first + n]
-            self._used.update(range(first, first + n))
-            handle_type = cls._handle_type()
-            obj = cls._rebuild(handle_type._decode(data, fds), extra)
-            return obj.obj if kind == "R" else obj
-        if kind == "T":
-            return self._tensors[pid[1]]
-        if kind == "N":
-            _, i, dtype, shape, strides, offset = pid
-            np = _numpy() or __import__("numpy")
-            buf = np.asarray(self._tensors[i])
-            return np.ndarray(shape, dtype=np.dtype(dtype), buffer=buf, offset=offset,
-                              strides=strides)
-        if kind == "P":
-            return _rebuild_torch(self._tensors[pid[1]], *pid[2:])
-        raise pickle.UnpicklingError(f"unknown out-of-band item {kind!r}")
+_FunctionType = types.FunctionType
+_dispatch_cache = (None, None)
+
+
+def _dispatch_table():
+    global _dispatch_cache
+    from multiprocessing.reduction import ForkingPickler
+    extra = ForkingPickler._extra_reducers
+    key = (len(copyreg.dispatch_table), len(extra))
+    if _dispatch_cache[0] != key:
+        table = dict(copyreg.dispatch_table)
+        table.update(extra)
+        _dispatch_cache = (key, table)
+    return _dispatch_cache[1]
+
+# What the message being unpickled on this thread carries out of band (loads sets it).
+_loading = threading.local()
+
+
+def _load_item(kind, *args):
+    tensors, fds, used = _loading.items
+    if kind == "T":
+        return tensors[args[0]]
+    if kind == "P":
+        return _rebuild_torch(tensors[args[0]], *args[1:])
+    if kind == "N":
+        i, dtype, shape, strides, offset = args
+        np = _numpy() or __import__("numpy")
+        return np.ndarray(shape, dtype=np.dtype(dtype), buffer=np.asarray(tensors[i]),
+                          offset=offset, strides=strides)
+    if kind in ("O", "R"):
+        cls, data, first, n, extra = args
+        taken = fds[first:first + n]
+        used.update(range(first, first + n))
+        obj = cls._rebuild(cls._handle_type()._decode(data, taken), extra)
+        return obj.obj if kind == "R" else obj
+    raise pickle.UnpicklingError(f"unknown out-of-band item {kind!r}")
 
 
 def dumps(obj):
@@ -338,9 +384,12 @@ def dumps(obj):
 def loads(data, tensors, fds):
     """The object `dumps` made. Takes ownership of `fds`: what the objects do not adopt is closed."""
     used = set()
+    previous = getattr(_loading, "items", None)
+    _loading.items = (tensors, fds, used)
     try:
-        return _Unpickler(io.BytesIO(data), tensors, fds, used).load()
+        return pickle.loads(data)
     finally:
+        _loading.items = previous
         for i, fd in enumerate(fds):
             if i not in used:
                 _close(fd)
@@ -379,18 +428,27 @@ def spawn_reduce(obj):
     except BaseException:
         close_fds(fds)
         raise
-    _pending_spawn_fds.extend(fds)
+    _pending_spawn_fds().extend(fds)
     return _spawn_rebuild, (data, blobs, n_message_fds, dup)
 
 
-_pending_spawn_fds = []
+# Per thread: the start() that pickled them (on this thread) closes them once its child has them.
+_spawn_local = threading.local()
+
+
+def _pending_spawn_fds():
+    fds = getattr(_spawn_local, "fds", None)
+    if fds is None:
+        fds = _spawn_local.fds = []
+    return fds
 
 
 def close_pending_spawn_fds():
-    """Closes the descriptors spawn_reduce lent to the child just launched."""
-    fds = list(_pending_spawn_fds)
-    del _pending_spawn_fds[:]
-    close_fds(fds)
+    """Closes the descriptors spawn_reduce lent to the child this thread just launched."""
+    fds = _pending_spawn_fds()
+    taken = list(fds)
+    del fds[:]
+    close_fds(taken)
 
 
 def _spawn_rebuild(data, blobs, n_message_fds, dup):

@@ -11,6 +11,7 @@ and so forksafe.Error.
 
 import os
 import signal
+import sys
 import time
 import traceback
 from multiprocessing import connection as _stdlib_connection
@@ -78,6 +79,8 @@ def _wrap(fn, i, args, error_queue):
     except BaseException as e:
         error_queue.put((i, f"{type(e).__module__}.{type(e).__qualname__}", str(e),
                          traceback.format_exc()))
+        sys.stdout.flush()  # os._exit drops buffered output
+        sys.stderr.flush()
         os._exit(1)
 
 
