@@ -186,8 +186,8 @@ def _share_torch_(t):
     _prune_torch_records()  # what dead records hold goes back to the arena before allocating
     fs = _mp.shared_empty([max(nbytes, 1)], "uint8")
     base = torch.from_dlpack(fs)
-    if nbytes:
-        base[:nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+    if nbytes:  # raw bytes: memmove runs at memcpy speed (torch's uint8 copy_ took 4x longer)
+        ctypes.memmove(fs.data_ptr(), storage.data_ptr(), nbytes)
     with torch.no_grad():
         t.set_(_untyped_storage(base), t.storage_offset(), t.size(), t.stride())
     _remember_torch_storage(fs, base)
