@@ -33,6 +33,7 @@
 #include "forksafe/device/tensor.h"
 #include "forksafe/mp/codec.h"
 #include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/shared_arena.h"
 #include "forksafe/mp/internal/shared_segment.h"
 #include "forksafe/mp/queue.h"
 #include "forksafe/mp/shared_value.h"
@@ -448,6 +449,10 @@ void BindMp(py::module_& parent) {
         return mp::SharedEmpty(shape, ParseDType(dtype));
       },
       py::arg("shape"), py::arg("dtype") = "float32", ReleaseGil());
+  m.def(
+      "empty_cache", [] { mp::internal::SharedArena::Get().EmptyCache(); }, ReleaseGil(),
+      "Returns the arena's cached, unreferenced memory to the system (file_system segments "
+      "leave /dev/shm).");
   m.def("get_all_sharing_strategies", &mp::get_all_sharing_strategies);
   m.def("get_sharing_strategy", &mp::get_sharing_strategy);
   m.def("set_sharing_strategy", &mp::set_sharing_strategy, py::arg("strategy"));

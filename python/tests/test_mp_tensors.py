@@ -12,6 +12,7 @@ import pytest
 
 import forksafe
 import forksafe.multiprocessing as mp
+from forksafe.multiprocessing import reduction
 
 torch = pytest.importorskip("torch", reason="python3-torch is not installed")
 
@@ -172,13 +173,19 @@ def test_sharing_strategies():
     assert before == "file_descriptor"
     with pytest.raises(forksafe.InvalidArgumentError, match="file_descriptor"):
         mp.set_sharing_strategy("carrier_pigeon")
+    mine = f"forksafe_{os.getpid()}_"
     try:
         mp.set_sharing_strategy("file_system")
         q = mp.Queue()
-        q.put(torch.full((1 << 20,), 2.0))  # 4 MiB: a named segment of its own
+        q.put(torch.full((1 << 20,), 2.0))  # 4 MiB, in a named segment
         assert float(q.get(timeout=5).sum()) == 2.0 * (1 << 20)
+        assert any(n.startswith(mine) for n in shm_entries())
     finally:
         mp.set_sharing_strategy(before)
+    del q
+    gc.collect()
+    reduction.release_cached_memory()
+    assert not [n for n in shm_entries() if n.startswith(mine)], "a named segment was left"
 
 
 def test_nothing_leaks_across_many_messages():

@@ -20,6 +20,7 @@ once pickled or adopted, whatever fails); an object that cannot cross (a lambda,
 function) raises forksafe.InvalidArgumentError naming it and saying what to do.
 """
 
+import atexit
 import copyreg
 import ctypes
 import io
@@ -112,6 +113,24 @@ def shared_ndarray(shape, dtype="float64"):
     buf = np.asarray(t)
     buf[:] = 0
     return np.ndarray(shape, dtype=dtype, buffer=buf, offset=0)
+
+
+def release_cached_memory():
+    """Drops the records of torch storages no tensor uses any more and returns the arena's
+    cached, unreferenced memory to the system (a file_system segment leaves /dev/shm). Runs at
+    interpreter exit too: a process whose shm manager dies with it (a PID namespace ending)
+    leaves nothing behind."""
+    _prune_torch_records()
+    _mp.empty_cache()
+
+
+@atexit.register
+def _release_at_exit():
+    _torch_shared.clear()
+    try:
+        _mp.empty_cache()
+    except Exception:
+        pass
 
 
 def share_memory(obj):
