@@ -88,9 +88,12 @@ Payload DecodePayload(mp::Message& msg) {
   return p;
 }
 
-py::tuple ToPython(Payload p) {
+// The descriptors as ints that Python owns (and closes or adopts): an owned one is released, a
+// borrowed one (an arena segment's, still the arena's) is duplicated: closing it would close the
+// arena's.
+py::list ReleaseToPython(std::vector<mp::FileDescriptor>& descriptors) {
   py::list fds;
-  for (auto& fd : p.fds) {  // decoded descriptors are owned; dup one that is not, to be sure
+  for (auto& fd : descriptors) {
     if (fd.owned()) {
       fds.append(fd.release());
     } else {
@@ -98,6 +101,11 @@ py::tuple ToPython(Payload p) {
       fds.append(dup.release());
     }
   }
+  return fds;
+}
+
+py::tuple ToPython(Payload p) {
+  py::list fds = ReleaseToPython(p.fds);
   return py::make_tuple(py::bytes(p.pickle), py::cast(std::move(p.tensors)), fds);
 }
 
@@ -109,18 +117,7 @@ py::tuple EncodeObject(const T& value) {
     py::gil_scoped_release nogil;
     msg = mp::Encode(value);
   }
-  // The caller gets descriptors of its own: a borrowed one (an arena segment's, still the
-  // arena's) is duplicated; closing it would close the arena's.
-  py::list fds;
-  for (auto& fd : msg.fds) {
-    if (fd.owned()) {
-      fds.append(fd.release());
-    } else {
-      mp::FileDescriptor dup = mp::FileDescriptor::Dup(fd.get());
-      fds.append(dup.release());
-    }
-  }
-  return py::make_tuple(py::bytes(msg.bytes), fds);
+  return py::make_tuple(py::bytes(msg.bytes), ReleaseToPython(msg.fds));
 }
 
 // What a decoded T starts as (the codec decodes into a value).

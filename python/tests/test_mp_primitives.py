@@ -422,3 +422,22 @@ def test_processes_started_from_several_threads_at_once_get_their_own_descriptor
         t.join(60)
     assert sorted(q.get(timeout=60) for _ in procs) == list(range(6))
     assert finish(procs) == [0] * 6
+
+
+def test_bad_arguments_of_the_primitives_are_clear_errors():
+    with pytest.raises(ValueError, match="parties"):
+        mp.Barrier(0)
+    with pytest.raises(ValueError):
+        mp.Semaphore(-1)
+    with pytest.raises(ValueError, match="negative size"):
+        mp.RawArray("i", -1)
+    with pytest.raises(ValueError):
+        mp.Queue().get(timeout=-1)
+    from forksafe.multiprocessing.context import _DefaultContext
+    fresh = _DefaultContext()  # the module's own default stays untouched
+    assert fresh.get_start_method(allow_none=True) is None
+    fresh.set_start_method("spawn")
+    with pytest.raises(RuntimeError, match="already been set"):
+        fresh.set_start_method("fork")
+    fresh.set_start_method("fork", force=True)
+    assert fresh.get_start_method() == "fork"

@@ -5,7 +5,6 @@ do not leak; bad input is a clear error. Processes end within bounded waits.
 """
 import gc
 import os
-import time
 
 import numpy as np
 import pytest

@@ -125,11 +125,10 @@ AsyncResult = ApplyResult
 class MapResult(ApplyResult):
     """The result of map_async/starmap_async: a list in input order."""
 
-    def __init__(self, pool, length, callback, error_callback):
+    def __init__(self, pool, callback, error_callback):
         super().__init__(pool, callback, error_callback)
         self._parts = {}
         self._expected = None  # number of chunks, once the input is split
-        self._length = length
 
     def _set(self, index, ok, value):
         if self.ready():
@@ -233,7 +232,6 @@ class _Job:
         self.star = star
         self.chunks = chunks  # iterator of lists
         self.next_index = 0
-        self.ended = False
         self.retry = collections.deque()  # (index, chunk) to send again
 
 
@@ -495,7 +493,6 @@ class Pool:
                 break
 
     def _end_input(self, job):
-        job.ended = True
         if isinstance(job.result, (MapResult, IMapIterator)):
             self._deliver(job.result, None, None, job.next_index)  # "the input had n chunks"
 
@@ -592,7 +589,7 @@ class Pool:
             chunksize = self._default_chunksize(len(items))
         if chunksize < 1:
             raise ValueError(f"chunksize must be at least 1, not {chunksize}")
-        result = MapResult(self, len(items), callback, error_callback)
+        result = MapResult(self, callback, error_callback)
         return self._submit(result, func, star, self._chunks(items, chunksize))
 
     def map(self, func, iterable, chunksize=None):

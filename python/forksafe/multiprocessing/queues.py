@@ -12,6 +12,7 @@ Empty and Full are queue.Empty and queue.Full, as in multiprocessing.
 """
 
 from .. import _forksafe
+from ..errors import FailedPreconditionError
 from .reduction import Shareable, close_fds, dumps, loads
 
 _mp = _forksafe.mp
@@ -100,7 +101,6 @@ class JoinableQueue(Queue):
 
     def task_done(self):
         """Marks one got item as processed (ValueError when called more times than put)."""
-        from ..errors import FailedPreconditionError
         try:
             self._handle.task_done()
         except FailedPreconditionError as e:

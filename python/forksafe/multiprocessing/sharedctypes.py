@@ -182,15 +182,7 @@ class SynchronizedArray(Synchronized):
     def __iter__(self):
         return iter(self[:])
 
-    @property
-    def value(self):  # c_char arrays
-        with self._lock:
-            return self._obj.value
-
-    @value.setter
-    def value(self, v):
-        with self._lock:
-            self._obj.value = v
+    # .value (c_char arrays) is Synchronized's.
 
     @property
     def raw(self):

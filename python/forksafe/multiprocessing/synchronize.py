@@ -10,6 +10,7 @@ method. Every wait releases the GIL. Names and semantics are multiprocessing's:
 """
 
 import threading
+import time
 
 from .. import _forksafe
 from ..errors import DeadlineExceededError, FailedPreconditionError
@@ -20,12 +21,27 @@ _mp = _forksafe.mp
 __all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Condition", "Event", "Barrier"]
 
 
-class _LockBase(Shareable):
+class _Acquirable(Shareable):
+    """acquire(block, timeout) and the context manager, over a handle with acquire/release."""
+
     __slots__ = ("_handle",)
 
     def acquire(self, block=True, timeout=None):
-        """Takes the lock; False when it could not within `timeout` (or at once, block=False)."""
+        """Takes it; False when it could not within `timeout` (or at once, block=False)."""
         return self._handle.acquire(block, timeout if block else None)
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class _LockBase(_Acquirable):
+    __slots__ = ()
+
+    def __init__(self, *, ctx=None):
+        self._handle = self._handle_type()()
 
     def release(self):
         """Gives the lock back; the caller must hold it (forksafe.FailedPreconditionError)."""
@@ -35,12 +51,6 @@ class _LockBase(Shareable):
         """True when the last acquire took the lock from a process that died holding it."""
         return self._handle.previous_owner_died()
 
-    def __enter__(self):
-        return self.acquire()
-
-    def __exit__(self, *exc):
-        self.release()
-
     def __repr__(self):
         return f"<forksafe.multiprocessing.{type(self).__name__}>"
 
@@ -49,9 +59,6 @@ class Lock(_LockBase):
     """A non-recursive lock shared between processes (multiprocessing.Lock)."""
 
     __slots__ = ()
-
-    def __init__(self, *, ctx=None):
-        self._handle = _mp.Lock()
 
     @staticmethod
     def _handle_type():
@@ -63,18 +70,15 @@ class RLock(_LockBase):
 
     __slots__ = ()
 
-    def __init__(self, *, ctx=None):
-        self._handle = _mp.RLock()
-
     @staticmethod
     def _handle_type():
         return _mp.RLock
 
 
-class Semaphore(Shareable):
+class Semaphore(_Acquirable):
     """A counter of units shared between processes (multiprocessing.Semaphore)."""
 
-    __slots__ = ("_handle",)
+    __slots__ = ()
 
     def __init__(self, value=1, *, ctx=None):
         self._handle = self._handle_type()(value)
@@ -83,20 +87,11 @@ class Semaphore(Shareable):
     def _handle_type():
         return _mp.Semaphore
 
-    def acquire(self, block=True, timeout=None):
-        return self._handle.acquire(block, timeout if block else None)
-
     def release(self, n=1):
         self._handle.release(n)
 
     def get_value(self):
         return self._handle.get_value()
-
-    def __enter__(self):
-        return self.acquire()
-
-    def __exit__(self, *exc):
-        self.release()
 
     def __repr__(self):
         return f"<forksafe.multiprocessing.{type(self).__name__}(value={self.get_value()})>"
@@ -118,10 +113,10 @@ class BoundedSemaphore(Semaphore):
             raise ValueError(f"BoundedSemaphore released too many times: {e}") from None
 
 
-class Condition(Shareable):
+class Condition(_Acquirable):
     """A condition variable over a shared Lock or RLock (an RLock by default)."""
 
-    __slots__ = ("_handle", "_lock")
+    __slots__ = ()
 
     def __init__(self, lock=None, *, ctx=None):
         if lock is None:
@@ -129,34 +124,14 @@ class Condition(Shareable):
         if not isinstance(lock, (Lock, RLock)):
             raise TypeError("Condition(lock): lock must be a forksafe.multiprocessing Lock or "
                             f"RLock, not {type(lock).__name__}")
-        self._lock = lock
-        self._handle = _mp.Condition(lock._handle)
+        self._handle = _mp.Condition(lock._handle)  # it shares the lock's state
 
     @staticmethod
     def _handle_type():
         return _mp.Condition
 
-    def _extra(self):
-        return None
-
-    @classmethod
-    def _rebuild(cls, handle, extra):
-        obj = cls.__new__(cls)
-        obj._handle = handle
-        obj._lock = None
-        return obj
-
-    def acquire(self, block=True, timeout=None):
-        return self._handle.acquire(block, timeout if block else None)
-
     def release(self):
         self._handle.release()
-
-    def __enter__(self):
-        return self.acquire()
-
-    def __exit__(self, *exc):
-        self.release()
 
     def wait(self, timeout=None):
         """Releases the lock, waits for a notify (at most `timeout`), takes the lock again.
@@ -166,7 +141,6 @@ class Condition(Shareable):
     def wait_for(self, predicate, timeout=None):
         """Waits until predicate() is true (checked under the lock) or `timeout` runs out;
         returns the predicate's last value."""
-        import time
         result = predicate()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not result:
