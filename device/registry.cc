@@ -14,6 +14,7 @@
 #include "forksafe/device/sim_backend.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/launch_info.h"
 
 namespace forksafe::device {
 namespace {
@@ -162,6 +163,17 @@ Device DefaultDevice() { return Decode(Reg().default_device.load()); }
 void SetDefaultDevice(const Device& device) {
   CheckDevice(device);
   Reg().default_device.store(Encode(device));
+}
+
+Device RankDevice(DeviceType type) {
+  if (type == DeviceType::kCPU) return kCPU;
+  const int n = DeviceCount(type);
+  if (n <= 0) {
+    throw Error(ErrorCode::kUnavailable,
+                absl::StrCat("RankDevice: this process has no ", DeviceTypeName(type),
+                             " device (no backend, or none visible: check CUDA_VISIBLE_DEVICES)"));
+  }
+  return Device(type, runtime::GetLaunchInfo().local_rank % n);
 }
 
 Device CurrentDevice() { return t_current.has_value() ? *t_current : DefaultDevice(); }

@@ -50,6 +50,15 @@ Device DefaultDevice();
 /// Sets the default device after CheckDevice(). Does not initialize the backend.
 void SetDefaultDevice(const Device& device);
 
+/// This rank's device of `type` under a launcher (runtime/launch_info.h): index
+/// LOCAL_RANK modulo DeviceCount(type), so the ranks of one node spread over its devices and a
+/// rank whose launcher narrowed CUDA_VISIBLE_DEVICES to one device gets that one (the backend
+/// counts only the visible devices). Index 0 without a launcher; the CPU for kCPU. Never
+/// initializes a backend and does not change the default device (a forked child's default is
+/// the CPU whatever its rank). Throws kUnavailable (naming the type) when there is no device of
+/// `type`, and kInvalidArgument for malformed launcher variables.
+Device RankDevice(DeviceType type);
+
 /// The calling thread's current device: the one set by SetCurrentDevice/DeviceGuard, else the
 /// default device.
 Device CurrentDevice();

@@ -84,7 +84,8 @@ namespace internal {
 
 // posix_spawn()s /proc/self/exe with `flag` as argv[1] and `fd_for_child` as its descriptor 3.
 // posix_spawn does not run at-fork handlers: a fresh program needs no quiescing.
-pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd) {
+pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd,
+                      const std::vector<std::pair<std::string, std::string>>* env) {
   // Move the descriptors above 4 first, so that dup2 onto 3 and 4 always makes fresh,
   // inheritable ones (and neither source is overwritten by the other's dup2).
   // EINVAL: the limit of descriptors is 10 or less, so no descriptor 10 can exist.
@@ -106,8 +107,25 @@ pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd) {
   if (secret) posix_spawn_file_actions_adddup2(&fa, secret.get(), kSecretFd);
   std::string argv0 = Argv0();
   char* argv[] = {argv0.data(), const_cast<char*>(flag), nullptr};
+  // The environment: ours, with `env`'s variables replacing or added.
+  std::vector<std::string> entries;
+  std::vector<char*> envp;
+  char** child_environ = environ;
+  if (env != nullptr && !env->empty()) {
+    for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+      bool replaced = false;
+      for (const auto& [k, v] : *env) {
+        if (std::strncmp(*e, k.c_str(), k.size()) == 0 && (*e)[k.size()] == '=') replaced = true;
+      }
+      if (!replaced) envp.push_back(*e);
+    }
+    for (const auto& [k, v] : *env) entries.push_back(k + "=" + v);
+    for (std::string& s : entries) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    child_environ = envp.data();
+  }
   pid_t pid = 0;
-  const int rc = posix_spawn(&pid, "/proc/self/exe", &fa, nullptr, argv, environ);
+  const int rc = posix_spawn(&pid, "/proc/self/exe", &fa, nullptr, argv, child_environ);
   posix_spawn_file_actions_destroy(&fa);
   if (rc != 0) ThrowCannotStartProcess("posix_spawn of /proc/self/exe", rc);
   return pid;
@@ -331,7 +349,7 @@ struct Process::Impl {
     if (p == 0) {
       parent_end.close();
       internal::WatchLifeline(std::move(lifeline));
-      internal::RunChildBody(local_target, child_end, options.name);
+      internal::RunChildBody(local_target, child_end, options.name, options.env);
     }
     pid = p;
     result = parent_end;
@@ -365,8 +383,10 @@ struct Process::Impl {
     if (method == "spawn") {
       // Everything that can run out of descriptors happens before the child exists.
       Message request =
-          internal::EncodeRunRequest(entry, options.name, std::move(args), -1, lifeline.get());
-      const pid_t child = internal::SpawnExecutable(internal::kChildFlag, child_end.fileno(), -1);
+          internal::EncodeRunRequest(entry, options.name, std::move(args), -1, lifeline.get(),
+                                     options.env);
+      const pid_t child = internal::SpawnExecutable(internal::kChildFlag, child_end.fileno(), -1,
+                                                    &options.env);
       child_end.close();
       try {
         parent_end.SendMessage(request);
@@ -390,7 +410,7 @@ struct Process::Impl {
       result = parent_end;
     } else {
       pid = internal::ForkServerRun(internal::EncodeRunRequest(
-          entry, options.name, std::move(args), child_end.fileno(), lifeline.get()));
+          entry, options.name, std::move(args), child_end.fileno(), lifeline.get(), options.env));
       child_end.close();
       result = parent_end;
     }
@@ -441,6 +461,7 @@ void Process::start() {
   }
   p.method = p.options.start_method.empty() ? get_start_method() : p.options.start_method;
   CheckMethod(p.method);
+  internal::CheckChildEnvironment(p.options.env, p.options.name);
   try {
     if (p.method == "fork") {
       p.StartFork();

@@ -104,6 +104,14 @@ struct ProcessOptions {
   std::string name;          ///< Default "Process-N".
   bool daemon = false;       ///< Terminated, not waited for, when the Process is destroyed.
   std::string start_method;  ///< "" means get_start_method().
+  /// Environment variables set in the child before its target runs (name, value), under every
+  /// start method (mp::spawn() gives its children torchrun's variables this way). The parent's
+  /// environment is not touched. Names must be non-empty and hold no '='. Under "spawn" the new
+  /// program starts with them (its static initializers see them); under "fork" and
+  /// "forkserver" they are set in the child before the target runs. (Otherwise a child has its
+  /// parent's environment, except under "forkserver": there it has the fork server's, which was
+  /// the parent's when the server started, as in Python.)
+  std::vector<std::pair<std::string, std::string>> env;
 };
 
 /// What a child reported when its target threw.

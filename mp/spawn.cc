@@ -101,6 +101,20 @@ void ProcessContext::TerminateAll(int spare) {
 }
 
 bool ProcessContext::join(Timeout timeout) {
+  try {
+    return JoinOnce(timeout);
+  } catch (const ProcessRaisedException& e) {
+    // The message holds the child's exception and its stack: torchrun prints the callstack.
+    RecordFailureForLauncher("ProcessRaisedException", e.message(),
+                             absl::StrCat("ProcessRaisedException: ", e.message()));
+    throw;
+  } catch (const ProcessExitedException& e) {
+    RecordFailureForLauncher("ProcessExitedException", e.message(), "");
+    throw;
+  }
+}
+
+bool ProcessContext::JoinOnce(Timeout timeout) {
   const internal::Deadline deadline = internal::DeadlineAfter(timeout, "ProcessContext::join");
   // Event-driven: each round looks only at the processes whose descriptor woke the poll (all of
   // them in the first round), then sleeps in one poll() on the descriptors of those still

@@ -25,6 +25,10 @@
 //   - Works in programs that ignore SIGCHLD or reap every child in a SIGCHLD handler, and under
 //     small descriptor or process limits (a start that runs out is Error(kResourceExhausted)
 //     naming the limit, after the processes already started are terminated and reaped).
+//   - Each child gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, ...; inside a launcher's
+//     rank they nest: mp/launch.h has the rule), unless options.launch_env is false. Reading the
+//     launcher's variables, spawn() throws Error(kInvalidArgument) naming them when they are
+//     malformed (before anything starts).
 //   - The default start method is "spawn", as in PyTorch; fn must then be registered with
 //     FORKSAFE_ENTRY_POINT and the program must call InitMain() (see mp/process.h).
 #ifndef FORKSAFE_MP_SPAWN_H_
@@ -39,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "forksafe/mp/launch.h"
 #include "forksafe/mp/process.h"
 #include "forksafe/mp/timeout.h"
 #include "forksafe/runtime/error.h"
@@ -85,6 +90,10 @@ struct SpawnOptions {
   std::string start_method = "spawn";
   /// After a failure, how long the others get between SIGTERM and SIGKILL.
   std::chrono::duration<double> grace_period = std::chrono::seconds(3);
+  /// Gives each child torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...; the nesting rule
+  /// of mp/launch.h), so code written for torchrun runs under spawn(). false: the children
+  /// inherit the parent's environment unchanged.
+  bool launch_env = true;
 };
 
 /// The processes started by one spawn() call.
@@ -100,7 +109,8 @@ class ProcessContext {
   /// Returns true when every process finished successfully, false when some still run at the
   /// timeout. Throws
   /// ProcessRaisedException / ProcessExitedException on the first failure, after terminating
-  /// and reaping the others.
+  /// and reaping the others, and after writing it to TORCHELASTIC_ERROR_FILE when a launcher set
+  /// that variable (mp/launch.h).
   bool join(Timeout timeout = std::nullopt);
   /// Starts every process (spawn() calls it). On a failure to start, the ones already started
   /// are terminated and the error is rethrown.
@@ -114,6 +124,7 @@ class ProcessContext {
   /// SIGTERMs every running process but `spare` (-1: none), then reaps them all, SIGKILLing
   /// those still alive after the grace period.
   void TerminateAll(int spare = -1);
+  bool JoinOnce(Timeout timeout);
   std::vector<Process> processes_;
   std::vector<bool> done_;
   std::chrono::duration<double> grace_;
@@ -129,8 +140,15 @@ std::unique_ptr<ProcessContext> spawn(Fn fn, std::tuple<Args...> args, SpawnOpti
   internal::CheckedWait(options.grace_period, "spawn: SpawnOptions::grace_period");
   std::vector<Process> procs;
   procs.reserve(options.nprocs);
+  LaunchInfo parent;
+  int port = 0;
+  if (options.launch_env) {
+    parent = GetLaunchInfo();
+    if (parent.master_addr.empty() && parent.world_size == 1) port = FreeLoopbackPort();
+  }
   for (int i = 0; i < options.nprocs; ++i) {
-    ProcessOptions po{"", options.daemon, options.start_method};
+    ProcessOptions po{"", options.daemon, options.start_method, {}};
+    if (options.launch_env) po.env = SpawnChildEnvironment(parent, options.nprocs, i, port);
     procs.push_back(std::apply(
         [&](const auto&... a) { return Process(po, fn, i, a...); }, args));
   }

@@ -382,6 +382,12 @@ PYBIND11_MODULE(_forksafe, m) {
       [](const std::string& text) { device::SetDefaultDevice(device::ParseDevice(text)); },
       ReleaseGil());
   m.def(
+      "rank_device",
+      [](const std::string& type) {
+        return device::RankDevice(device::ParseDevice(type).type).ToString();
+      },
+      py::arg("type"), ReleaseGil());
+  m.def(
       "available_devices",
       [] {
         std::vector<std::string> out;

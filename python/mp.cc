@@ -35,6 +35,7 @@
 #include "forksafe/mp/connection.h"
 #include "forksafe/mp/internal/shared_arena.h"
 #include "forksafe/mp/internal/shared_segment.h"
+#include "forksafe/mp/launch.h"
 #include "forksafe/mp/queue.h"
 #include "forksafe/mp/shared_value.h"
 #include "forksafe/mp/sharing.h"
@@ -453,6 +454,33 @@ void BindMp(py::module_& parent) {
   m.def("get_all_sharing_strategies", &mp::get_all_sharing_strategies);
   m.def("get_sharing_strategy", &mp::get_sharing_strategy);
   m.def("set_sharing_strategy", &mp::set_sharing_strategy, py::arg("strategy"));
+
+  // ---- Launchers (mp/launch.h) ---------------------------------------------------------------
+  m.def(
+      "launch_info",
+      [] {
+        const mp::LaunchInfo i = mp::GetLaunchInfo();
+        return py::make_tuple(mp::LauncherName(i.launcher), i.rank, i.local_rank, i.world_size,
+                              i.local_world_size, i.node_rank, i.master_addr, i.master_port);
+      },
+      "(launcher, rank, local_rank, world_size, local_world_size, node_rank, master_addr, "
+      "master_port) from the launcher's variables.");
+  m.def(
+      "spawn_child_environment",
+      [](int nprocs, int index, int master_port) {
+        py::dict env;
+        for (auto& [k, v] : mp::SpawnChildEnvironment(mp::GetLaunchInfo(), nprocs, index,
+                                                      master_port)) {
+          env[py::str(k)] = py::str(v);
+        }
+        return env;
+      },
+      py::arg("nprocs"), py::arg("index"), py::arg("master_port"),
+      "The variables spawn() gives child `index` of `nprocs` of this process (mp/launch.h).");
+  m.def("free_loopback_port", &mp::FreeLoopbackPort);
+  m.def("record_failure_for_launcher", &mp::RecordFailureForLauncher, py::arg("type"),
+        py::arg("message"), py::arg("traceback"),
+        "Writes a failure to TORCHELASTIC_ERROR_FILE in torchelastic's form; False when unset.");
 }
 
 }  // namespace forksafe::python

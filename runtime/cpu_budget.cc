@@ -17,6 +17,7 @@
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/cgroup.h"
 #include "forksafe/runtime/internal/cpu_budget_parts.h"
+#include "forksafe/runtime/launch_info.h"
 
 namespace forksafe::runtime {
 namespace internal {
@@ -132,6 +133,18 @@ CpuBudget ComputeCpuBudget(const CpuBudgetInputs& in) {
     b.source = CpuBudgetSource::kCgroupQuota;
   }
   b.cpus = std::max(1, cpus);
+  b.ranks_on_node = std::max(1, in.ranks_on_node);
+  // Several ranks on this node: none takes more than its share of the node's CPUs (the machine,
+  // or the cgroup quota when smaller). A rank bound to fewer CPUs keeps its mask's count.
+  if (b.ranks_on_node > 1) {
+    int node = in.hardware_cpus > 0 ? in.hardware_cpus : cpus;
+    if (in.quota.cpus > 0 && in.quota.cpus < node) node = in.quota.cpus;
+    const int share = std::max(1, node / b.ranks_on_node);
+    if (share < b.cpus) {
+      b.cpus = share;
+      b.source = CpuBudgetSource::kLauncherShare;
+    }
+  }
   if (omp < 0) {
     b.warning = absl::StrCat(
         "forksafe: ignoring ", kOmpNumThreadsEnv, "=\"", in.omp_num_threads,
@@ -156,6 +169,8 @@ const char* CpuBudgetSourceName(CpuBudgetSource source) {
       return "affinity";
     case CpuBudgetSource::kHardware:
       return "hardware";
+    case CpuBudgetSource::kLauncherShare:
+      return "launcher_share";
   }
   return "unknown";
 }
@@ -166,6 +181,8 @@ std::string CpuBudget::ToString() const {
                       ", cgroup quota ",
                       quota_cpus > 0 ? absl::StrCat(quota_cpus, " from ", quota_file) : "none",
                       ", machine ", hardware_cpus > 0 ? std::to_string(hardware_cpus) : "unknown",
+                      ranks_on_node > 1 ? absl::StrCat(", ", ranks_on_node, " ranks on the node")
+                                        : std::string(),
                       ")");
 }
 
@@ -176,7 +193,17 @@ CpuBudget GetCpuBudget() {
   in.affinity_cpus = internal::AffinityCpuCount();
   in.quota = internal::ReadCpuQuota();
   in.hardware_cpus = static_cast<int>(std::thread::hardware_concurrency());
+  std::string launcher_warning;
+  try {
+    in.ranks_on_node = GetLaunchInfo().local_world_size;
+  } catch (const Error& e) {
+    launcher_warning = absl::StrCat(e.what(), "; forksafe's default pools ignore the launcher");
+  }
   CpuBudget b = internal::ComputeCpuBudget(in);
+  static std::atomic<bool> warned_launcher{false};
+  if (!launcher_warning.empty() && !warned_launcher.exchange(true, std::memory_order_relaxed)) {
+    std::fprintf(stderr, "%s\n", launcher_warning.c_str());
+  }
   // Once per process: pools are made many times, the environment does not change.
   static std::atomic<bool> warned{false};
   if (!b.warning.empty() && !warned.exchange(true, std::memory_order_relaxed)) {

@@ -25,6 +25,15 @@
 //          Where the hierarchies are mounted is read from /proc/self/mountinfo.
 //        and never less than 1. std::thread::hardware_concurrency() counts the machine's CPUs and
 //        oversubscribes a process pinned to a few of them (the default before issue 14).
+//     4. Under a launcher (runtime/launch_info.h) with several ranks on this node: at most this
+//        rank's share of the node, max(1, node CPUs / ranks on the node), where the node's CPUs
+//        are the machine's (or the cgroup quota, when smaller). Four ranks of mpirun -np 4 on
+//        16 CPUs get 4 each, not 16 each, also when Open MPI bound each to a whole 8-CPU socket.
+//        A rank that the launcher bound to fewer CPUs (srun --cpu-bind, mpirun --bind-to core)
+//        keeps its mask's count. Not seen: a container cpuset narrower than the machine that all
+//        the node's ranks share (it is counted as the machine): set FORKSAFE_NUM_THREADS there.
+//        Launcher variables that GetLaunchInfo() refuses are ignored here, with one warning (a
+//        pool must not fail over them; GetLaunchInfo() itself throws).
 //
 // Guarantees
 //   - An override is a whole decimal number in [1, kMaxThreadOverride], blanks around it allowed;
@@ -72,6 +81,7 @@ enum class CpuBudgetSource {
   kCgroupQuota,         ///< A cgroup CPU quota smaller than the affinity mask.
   kAffinity,            ///< The affinity mask (no quota, or a larger one).
   kHardware,            ///< hardware_concurrency(): the mask could not be read.
+  kLauncherShare,       ///< This rank's share of the machine: the count / ranks on the node.
 };
 
 /// A stable name for `source` ("FORKSAFE_NUM_THREADS", "cgroup_quota", "affinity", ...).
@@ -85,6 +95,7 @@ struct CpuBudget {
   int quota_cpus = 0;      ///< The cgroup quota rounded up; 0 when there is none.
   std::string quota_file;  ///< The cgroup file that set quota_cpus ("" when none).
   int hardware_cpus = 0;   ///< std::thread::hardware_concurrency() (0 when unknown).
+  int ranks_on_node = 1;   ///< The launcher's ranks on this node (1 without a launcher).
   /// Why a set OMP_NUM_THREADS was ignored ("" when it was not): the warning GetCpuBudget
   /// prints on stderr, once per process.
   std::string warning;

@@ -23,7 +23,10 @@ PACKAGES=(
   pybind11-dev       # pybind11 2.10, the extension's binding library
   python3-pytest     # runs python/tests (python/run_pytest.sh)
   python3-numpy      # numpy arrays across forksafe (the Python package)
-  python3-torch      # torch 1.13: the Python package's torch tests, openmp_torch_test, bench/peers
+  python3-torch      # torch 1.13: the Python package's torch tests, openmp_torch_test, bench/peers,
+                     # and torchrun (python3 -m torch.distributed.run) for the launcher tests
+  openmpi-bin        # Open MPI's mpirun: //tests/mp:launchers_test (mp/launch.h)
+  mpich              # MPICH's mpiexec (Hydra): //tests/mp:launchers_test
 )
 
 missing=()

@@ -354,23 +354,28 @@ void SendReport(Connection& c, const std::string& kind, const std::string& paylo
 }
 
 Message EncodeRunRequest(const std::string& entry, const std::string& name, Message args,
-                         int result_fd, int lifeline_fd) {
+                         int result_fd, int lifeline_fd, const ChildEnvironment& env) {
   FileDescriptor result = result_fd >= 0 ? FileDescriptor::Dup(result_fd) : FileDescriptor();
   FileDescriptor lifeline = FileDescriptor::Dup(lifeline_fd);
   // The arguments' descriptors keep indices 0..n-1; the request's own come after them.
   Message m;
   m.fds = std::move(args.fds);
-  EncodeInto(m, std::string("run"), entry, name, args.bytes, result, lifeline);
+  EncodeInto(m, std::string("run"), entry, name, args.bytes, result, lifeline, env);
   return m;
 }
 
 RunRequest DecodeRunRequest(Message msg, bool need_result) {
   RunRequest r;
   std::string kind;
-  Decode(msg, kind, r.entry, r.name, r.args.bytes, r.result, r.lifeline);
+  Decode(msg, kind, r.entry, r.name, r.args.bytes, r.result, r.lifeline, r.env);
   if (kind != "run") internal::ThrowMalformed("unknown request kind");
   if (r.entry.empty()) internal::ThrowMalformed("a run request without an entry point");
   if (!r.lifeline) internal::ThrowMalformed("a run request without a lifeline");
+  for (const auto& [k, v] : r.env) {
+    if (!ValidEnvironmentEntry(k, v)) {
+      internal::ThrowMalformed("a run request with a malformed environment variable");
+    }
+  }
   if (need_result && !r.result) internal::ThrowMalformed("a run request without a result channel");
   // What the request took is now empty; the arguments' descriptors keep their indices.
   r.args.fds = std::move(msg.fds);
@@ -468,7 +473,52 @@ void RegisterExitReport() {
   (void)registered;
 }
 
-void RunChildBody(const std::function<void()>& target, Connection result, const std::string& name) {
+bool ValidEnvironmentEntry(const std::string& name, const std::string& value) {
+  return !name.empty() && name.find('=') == std::string::npos &&
+         name.find('\0') == std::string::npos && value.find('\0') == std::string::npos;
+}
+
+void CheckChildEnvironment(const ChildEnvironment& env, const std::string& process) {
+  for (const auto& [k, v] : env) {
+    if (!ValidEnvironmentEntry(k, v)) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  absl::StrCat("process \"", process, "\": ProcessOptions::env has a bad entry \"",
+                               k, "\" (a name must be non-empty and hold no '=' or NUL; a value "
+                               "no NUL)"));
+    }
+  }
+}
+
+void ApplyChildEnvironment(const ChildEnvironment& env) {
+  if (env.empty()) return;
+  size_t n = 0;
+  while (environ != nullptr && environ[n] != nullptr) ++n;
+  // Leaked on purpose: the process's environment for the rest of its life.
+  char** fresh = new char*[n + env.size() + 1];
+  size_t m = 0;
+  for (size_t i = 0; i < n; ++i) {
+    bool replaced = false;
+    for (const auto& [k, v] : env) {
+      if (std::strncmp(environ[i], k.c_str(), k.size()) == 0 && environ[i][k.size()] == '=') {
+        replaced = true;
+        break;
+      }
+    }
+    if (!replaced) fresh[m++] = environ[i];
+  }
+  for (const auto& [k, v] : env) {
+    const std::string entry = k + "=" + v;
+    char* copy = new char[entry.size() + 1];
+    std::memcpy(copy, entry.c_str(), entry.size() + 1);
+    fresh[m++] = copy;
+  }
+  fresh[m] = nullptr;
+  environ = fresh;
+}
+
+void RunChildBody(const std::function<void()>& target, Connection result, const std::string& name,
+                  const ChildEnvironment& env) {
+  ApplyChildEnvironment(env);
   if (!name.empty()) prctl(PR_SET_NAME, name.substr(0, 15).c_str());
   int code = 0;
   // Leaked on purpose: exit() from the target runs ReportExit after this frame is gone.

@@ -22,6 +22,8 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "forksafe/mp/codec.h"
 #include "forksafe/mp/connection.h"
@@ -44,15 +46,18 @@ inline constexpr int kBootstrapFd = 3;
 inline constexpr const char* kChildFlag = "--forksafe-mp-child";
 inline constexpr const char* kServerFlag = "--forksafe-mp-forkserver";
 
+/// Variables a child sets before its target runs (ProcessOptions::env).
+using ChildEnvironment = std::vector<std::pair<std::string, std::string>>;
 struct RunRequest {
   std::string entry;
   std::string name;
   Message args;
   FileDescriptor result;    // may be empty for spawn (then the bootstrap socket is used)
   FileDescriptor lifeline;  // read end of the parent's lifeline pipe
+  ChildEnvironment env;     // ProcessOptions::env
 };
 Message EncodeRunRequest(const std::string& entry, const std::string& name, Message args,
-                         int result_fd, int lifeline_fd);
+                         int result_fd, int lifeline_fd, const ChildEnvironment& env);
 /// Decodes a run request from the parent. Error(kInvalidArgument) for a malformed message, a kind
 /// other than "run", an empty entry name or a missing lifeline (and, with `need_result`, a
 /// missing result channel: the fork server has no other way to report).
@@ -136,11 +141,20 @@ std::string ProcessLimitNote();
 /// forked child must never call it. The handler does nothing in a process that is not running a
 /// target (RunChildBody marks the one that is).
 void RegisterExitReport();
-/// Runs `target` as the body of a child process and never returns: reports "hello" and any
-/// exception on `result`, flushes stdio, and _exits with 0 (1 if it threw). exit(n) called by the
-/// target is reported as "exiting" n when RegisterExitReport() ran before the fork.
+/// Runs `target` as the body of a child process and never returns: sets `env` in this process's
+/// environment, reports "hello" and any exception on `result`, flushes stdio, and _exits with 0
+/// (1 if it threw). exit(n) called by the target is reported as "exiting" n when
+/// RegisterExitReport() ran before the fork.
 [[noreturn]] void RunChildBody(const std::function<void()>& target, Connection result,
-                               const std::string& name);
+                               const std::string& name, const ChildEnvironment& env);
+/// Sets `env` (name, value pairs) in this process's environment without the C library's
+/// environment lock (a forked child of a threaded parent may find it held): a new `environ`
+/// array, the old entries kept. Safe only while no other thread runs.
+void ApplyChildEnvironment(const ChildEnvironment& env);
+/// A name that is non-empty and holds no '=' or NUL, and a value without NUL.
+bool ValidEnvironmentEntry(const std::string& name, const std::string& value);
+/// Throws Error(kInvalidArgument) naming the process when a name in `env` is empty or holds '='.
+void CheckChildEnvironment(const ChildEnvironment& env, const std::string& process);
 
 // ---- stack traces at throw points -------------------------------------------------------------
 /// Turns capture on for this thread (children turn it on around their target). The caller's

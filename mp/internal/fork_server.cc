@@ -194,7 +194,7 @@ Received ReceiveRequest(Connection& requests, Message* msg) {
         status_channels.clear();
         WatchLifeline(req.lifeline ? std::move(req.lifeline) : std::move(lifeline));
         Connection result(std::move(req.result), true, true);
-        RunChildBody(TargetOf(req), std::move(result), req.name);
+        RunChildBody(TargetOf(req), std::move(result), req.name, req.env);
       }
       if (pid < 0) {
         reply(-errno);
@@ -219,7 +219,7 @@ Received ReceiveRequest(Connection& requests, Message* msg) {
   RegisterExitReport();
   WatchLifeline(std::move(req.lifeline));
   Connection result = req.result ? Connection(std::move(req.result), true, true) : boot;
-  RunChildBody(TargetOf(req), std::move(result), req.name);
+  RunChildBody(TargetOf(req), std::move(result), req.name, req.env);
 }
 
 struct ForkServer {

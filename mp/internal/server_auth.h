@@ -27,6 +27,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "forksafe/mp/codec.h"
 #include "forksafe/mp/connection.h"
@@ -61,8 +63,11 @@ bool CheckServerHello(Connection& c, const std::string& secret, const char* serv
 uint64_t RefusedConnections();
 
 /// Spawns this executable with `flag`, `fd_for_child` as descriptor 3 and, when >= 0,
-/// `secret_fd` as kSecretFd (mp/process.cc).
-pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd);
+/// `secret_fd` as kSecretFd (mp/process.cc); with this process's environment, in which `env`'s
+/// (name, value) pairs, when given, replace or add variables (so the new program's static
+/// initializers see them).
+pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd,
+                      const std::vector<std::pair<std::string, std::string>>* env = nullptr);
 
 }  // namespace forksafe::mp::internal
 

@@ -243,7 +243,27 @@ bool ScanFdsOf(const std::string& pid, ProcScan& out) {
 
 }  // namespace
 
-ProcScan ScanProc() {
+uint64_t ProcessStartTicks(pid_t pid) {
+  FILE* f = fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "re");
+  if (f == nullptr) return 0;
+  char buf[1024];
+  const size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  // "pid (comm) state ppid ...": comm may hold spaces and parentheses; fields count from the last
+  // ')'. starttime is field 22, the 20th after it.
+  const char* p = std::strrchr(buf, ')');
+  if (p == nullptr) return 0;
+  unsigned long long start = 0;
+  if (std::sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d "
+                         "%*d %*d %llu",
+                  &start) != 1) {
+    return 0;
+  }
+  return start;
+}
+
+ProcScan ScanProc(uint64_t family_since) {
   // A queue is held by a process as long as that process maps its segment (a memfd named
   // "forksafe:queue", whose inode is the queue's identity, mp/queue.cc) or has a descriptor of it.
   ProcScan out;
@@ -262,8 +282,14 @@ ProcScan ScanProc() {
       // Unreadable: what it holds is unknown. Processes of other users are unreadable by design
       // (and hold our queues only if given them); one of ours that is unreadable makes the scan
       // incomplete, so that nothing is judged dead from it.
+      // A process older than the creator is outside its family (see ScanProc in the header).
       struct stat st;
-      if (stat(("/proc/" + pid).c_str(), &st) == 0 && st.st_uid == me) out.complete = false;
+      if (stat(("/proc/" + pid).c_str(), &st) == 0 && st.st_uid == me) {
+        const uint64_t started = family_since != 0 ? ProcessStartTicks(std::stoi(pid)) : 0;
+        // No start time: unknown (incomplete), unless the process has just gone (holds nothing).
+        const bool gone = started == 0 && stat(("/proc/" + pid).c_str(), &st) != 0;
+        if (!gone && (started == 0 || started >= family_since)) out.complete = false;
+      }
     }
   }
   closedir(proc);
@@ -371,6 +397,9 @@ void RunShmManager(int fd) {
   // unread and, being the only one this manager has, ends it without touching /dev/shm.
   Connection client(FileDescriptor(fd), true, true);
   if (!CheckServerHello(client, ReadInheritedSecret(kSecretFd), "the shm manager")) _exit(0);
+  // The creator spawned us and is alive until it closes the connection: its start time bounds
+  // the family of processes that can hold its segments (ScanProc).
+  const uint64_t creator_since = ProcessStartTicks(getppid());
   SweepOrphanedSegments();
   std::set<std::string> names;
   for (;;) {  // while the client lives: collect its names
@@ -394,7 +423,7 @@ void RunShmManager(int fd) {
     std::optional<ProcScan> scan;
     if (now - last_scan >= std::chrono::seconds(1)) {
       for (const std::string& n : names) before[n] = Snapshot(n);
-      scan = ScanProc();
+      scan = ScanProc(creator_since);
       last_scan = now;
     }
     for (auto it = names.begin(); it != names.end();) {

@@ -104,7 +104,16 @@ struct ProcScan {
   std::set<uint64_t> live_carriers;
   bool complete = true;
 };
-ProcScan ScanProc();
+/// Scans /proc. A process of this user whose entries cannot be read (not dumpable: PID 1 of many
+/// containers and VMs, setuid programs, PR_SET_DUMPABLE 0) makes the scan incomplete, unless
+/// `family_since` is non-zero and the process started before that time (clock ticks since boot,
+/// as /proc/<pid>/stat's starttime, which stays readable): one older than a segment's creator is
+/// taken to hold none of its segments. (It could hold one only by receiving a handle, and still
+/// unmapped: a mapping outlives the name. Without this, one such process anywhere on the machine
+/// kept every dead creator's segments, and their managers, for good.)
+ProcScan ScanProc(uint64_t family_since = 0);
+/// Process `pid`'s start time in clock ticks since boot (/proc/<pid>/stat); 0 when unknown.
+uint64_t ProcessStartTicks(pid_t pid);
 
 /// A copy of a segment header's counts. Judging a segment from a scan of /proc needs a snapshot
 /// taken BEFORE the scan: a reader that adopts its reference (taking it off its carrier) maps the

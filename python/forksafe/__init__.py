@@ -139,6 +139,12 @@ def set_default_device(device):
     _forksafe.set_default_device(device)
 
 
+def rank_device(type):  # noqa: A002 - the device type, as in "cuda"
+    """This rank's device of `type` ("cuda", "sim") under a launcher: index LOCAL_RANK modulo
+    that type's visible devices; index 0 without a launcher (docs/cluster.md)."""
+    return _forksafe.rank_device(type)
+
+
 def available_devices():
     """Every device this process can use, as strings."""
     return _forksafe.available_devices()
@@ -163,5 +169,6 @@ def _at_exit():
 
 
 __all__ = ["Tensor", "from_dlpack", "ThreadPool", "fork_report", "fork_count", "framework_lock", "openmp_usable",
-           "default_device", "set_default_device", "available_devices", "default_thread_count",
+           "default_device", "set_default_device", "rank_device", "available_devices",
+           "default_thread_count",
            "__version__"] + list(_errors_all)

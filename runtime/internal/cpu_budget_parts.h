@@ -29,6 +29,8 @@ struct CpuBudgetInputs {
   int affinity_cpus = 0;  ///< 0: unknown.
   CpuQuota quota;
   int hardware_cpus = 0;  ///< 0: unknown.
+  /// The job's ranks on this node (LaunchInfo::local_world_size; 1 without a launcher).
+  int ranks_on_node = 1;
 };
 
 /// GetCpuBudget's rules applied to `in`: a malformed OMP_NUM_THREADS fills CpuBudget::warning

@@ -39,6 +39,7 @@ std::string Run(std::string_view input) {
         o << "run " << r.entry << " name=" << r.name << " args=" << r.args.bytes.size() << "+"
           << r.args.fds.size() << " result=" << (r.result ? "yes" : "no")
           << " lifeline=" << (r.lifeline ? "yes" : "no");
+        for (const auto& [k, v] : r.env) o << " env " << k << "=" << v;
         break;
       }
       case 1: {
@@ -93,15 +94,17 @@ std::vector<Seed> Seeds() {
     {
       cereal::BinaryOutputArchive ar(os);
       ar(std::string("run"), std::string("MyEntry"), std::string("Process-1"), args.bytes,
-         int32_t{2}, int32_t{0});
+         int32_t{2}, int32_t{0},
+         std::vector<std::pair<std::string, std::string>>{{"RANK", "3"}, {"WORLD_SIZE", "4"}});
     }
     s.push_back({"run_request", std::string(1, '\x04') + os.str(),
-                 "run MyEntry name=Process-1 args=11+3 result=yes lifeline=yes"});
+                 "run MyEntry name=Process-1 args=11+3 result=yes lifeline=yes env RANK=3 env "
+                 "WORLD_SIZE=4"});
     std::ostringstream spawn(std::ios::binary);
     {
       cereal::BinaryOutputArchive ar(spawn);
       ar(std::string("run"), std::string("E"), std::string(""), std::string(), int32_t{-1},
-         int32_t{2});
+         int32_t{2}, std::vector<std::pair<std::string, std::string>>{});
     }
     s.push_back({"run_request_spawn", std::string(1, '\x00') + spawn.str(),
                  "run E name= args=0+3 result=no lifeline=yes"});

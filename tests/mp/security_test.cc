@@ -288,7 +288,7 @@ int AskForkServer(const std::string& real, const std::string* presented,
   try {
     ours.SendMessage(internal::EncodeRunRequest(
         internal::EntryPointName(reinterpret_cast<const void*>(&TouchMarker)), "marker",
-        Encode(marker), result_child.fileno(), lifeline.get()));
+        Encode(marker), result_child.fileno(), lifeline.get(), {}));
     Message m = ours.RecvMessage(20s);
     reply = DecodeAs<int32_t>(m);
   } catch (const runtime::Error& e) {

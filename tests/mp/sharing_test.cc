@@ -192,6 +192,27 @@ TEST(ShmManagerTest, SweepLeavesSegmentsOfOtherPidNamespaces) {
   for (const std::string& n : {foreign, headerless, ours}) shm_unlink(("/" + n).c_str());
 }
 
+// The family bound of ScanProc: start times from /proc/<pid>/stat (readable even for processes
+// whose maps are not), a child's no earlier than its parent's; an unknown pid is 0.
+TEST(ShmManagerTest, ProcessStartTicksOrderParentsBeforeChildren) {
+  const uint64_t me = internal::ProcessStartTicks(getpid());
+  ASSERT_GT(me, 0u);
+  EXPECT_LE(internal::ProcessStartTicks(getppid()), me);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    pause();
+    _exit(0);
+  }
+  EXPECT_GE(internal::ProcessStartTicks(child), me);
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  EXPECT_EQ(internal::ProcessStartTicks(child), 0u);  // reaped: gone
+  // With a bound in the future every process is "older": the scan cannot be made incomplete by
+  // an unreadable one; with none (0) it is as before.
+  EXPECT_TRUE(internal::ScanProc(~uint64_t{0}).complete);
+}
+
 TEST(SharingStrategyTest, NamesAndErrors) {
   EXPECT_EQ(get_all_sharing_strategies(),
             (std::vector<std::string>{"file_descriptor", "file_system"}));

@@ -24,6 +24,7 @@ import forksafe as _forksafe_package  # noqa: F401 (installs the at-fork protoco
 
 from .. import _forksafe
 from .connection import Connection, Pipe
+from .launch import LaunchInfo, launch_info
 from .context import (ForkProcess, ForkServerProcess, ForksafeContext, Process, SpawnProcess,
                       get_all_start_methods, get_context, get_start_method, set_start_method)
 from .context import _default
@@ -85,12 +86,13 @@ def get_all_sharing_strategies():
 __all__ = [
     "Array", "AuthenticationError", "Barrier", "BoundedSemaphore", "BufferTooShort",
     "Condition", "Connection", "Event", "ForkProcess", "ForkServerProcess", "ForksafeContext",
-    "JoinableQueue", "Lock", "Manager", "Pipe", "Pool", "Process", "ProcessContext",
+    "JoinableQueue", "LaunchInfo", "Lock", "Manager", "Pipe", "Pool", "Process", "ProcessContext",
     "ProcessError", "ProcessException", "ProcessExitedException", "ProcessRaisedException",
     "Queue", "RLock", "RawArray", "RawValue", "Semaphore", "SimpleQueue", "SpawnProcess",
     "TimeoutError", "Value", "active_children", "allow_connection_pickling", "cpu_count",
     "current_process", "freeze_support", "get_all_sharing_strategies", "get_all_start_methods",
     "get_context", "get_logger", "get_sharing_strategy", "get_start_method", "is_shared",
+    "launch_info",
     "log_to_stderr", "parent_process", "set_executable", "set_forkserver_preload",
     "set_sharing_strategy", "set_start_method", "share_memory", "shared_ndarray", "spawn",
     "start_processes",

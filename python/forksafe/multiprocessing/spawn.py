@@ -6,7 +6,19 @@ a forksafe Queue (no temporary files) and exits with code 1; ProcessContext.join
 terminates the others (SIGTERM, then SIGKILL after a grace period) and raises
 ProcessRaisedException carrying them. A child that dies otherwise (a signal, os._exit(3)) gives
 ProcessExitedException with its exit code and signal name. Both are forksafe.ProcessFailedError,
-and so forksafe.Error.
+and so forksafe.Error. When a launcher set TORCHELASTIC_ERROR_FILE (torchrun does), join() writes
+the failure there in torchelastic's form before raising, so torchrun's summary shows the child's
+traceback.
+
+Each child gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+MASTER_ADDR, MASTER_PORT), nested inside the launcher that started this process: child i of
+rank r of W is rank r*nprocs + i of W*nprocs (forksafe/mp/launch.h has the rule). So code written
+for torchrun runs under spawn() on one machine. launch_env=False leaves the environment alone.
+The variables are set in the child just before fn runs: under "spawn" and "forkserver" the
+re-import of __main__ happens before, so read them in fn (as torchrun programs do in main()), not
+at a module's top level. os.environ.update (putenv) in a forked child takes the C library's
+environment lock: a thread of the parent calling setenv/putenv at the instant of the fork would
+hang that child (the C++ spawn() avoids the lock: mp/internal/child.h).
 """
 
 import os
@@ -16,6 +28,7 @@ import time
 import traceback
 from multiprocessing import connection as _stdlib_connection
 
+from .. import _forksafe
 from ..errors import ProcessFailedError
 from .context import get_context
 from .queues import SimpleQueue
@@ -70,9 +83,12 @@ class ProcessExitedException(ProcessException):
                             self.signal_name)
 
 
-def _wrap(fn, i, args, error_queue):
-    """A child's main: fn(i, *args); an exception goes to the parent, then exit code 1."""
+def _wrap(fn, i, args, error_queue, env=None):
+    """A child's main: fn(i, *args) with `env` set; an exception goes to the parent, then exit
+    code 1."""
     try:
+        if env:
+            os.environ.update(env)
         fn(i, *args)
     except KeyboardInterrupt:
         pass  # the parent is ending us
@@ -119,14 +135,18 @@ class ProcessContext:
         if failed in self._errors:
             type_name, message, tb = self._errors[failed]
             msg = (f"\n\n-- Process {failed} terminated with the following error:\n{tb}")
+            _forksafe.mp.record_failure_for_launcher("ProcessRaisedException", msg.strip(), tb)
             raise ProcessRaisedException(msg, failed, p.pid, type_name, message, tb)
         code = p.exitcode
         if code < 0:
             name = signal.Signals(-code).name
-            raise ProcessExitedException(f"process {failed} terminated with signal {name}",
-                                         failed, p.pid, code, name)
-        raise ProcessExitedException(f"process {failed} terminated with exit code {code}",
-                                     failed, p.pid, code)
+            error = ProcessExitedException(f"process {failed} terminated with signal {name}",
+                                           failed, p.pid, code, name)
+        else:
+            error = ProcessExitedException(f"process {failed} terminated with exit code {code}",
+                                           failed, p.pid, code)
+        _forksafe.mp.record_failure_for_launcher("ProcessExitedException", str(error), "")
+        raise error
 
     def _drain_errors(self):
         while not self.error_queue.empty():
@@ -150,17 +170,24 @@ class ProcessContext:
         self.sentinels.clear()
 
 
-def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn",
+                    launch_env=True):
     """Starts nprocs processes running fn(i, *args) with `start_method`. join=True waits for all
-    (raising the first failure); join=False returns the ProcessContext."""
+    (raising the first failure); join=False returns the ProcessContext. launch_env=False: the
+    children do not get torchrun's variables."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, not {nprocs}")
     ctx = get_context(start_method)
+    envs = [None] * nprocs
+    if launch_env:
+        info = _forksafe.mp.launch_info()  # (launcher, rank, ..., world_size at [3], master_addr)
+        port = _forksafe.mp.free_loopback_port() if not info[6] and info[3] == 1 else 0
+        envs = [_forksafe.mp.spawn_child_environment(nprocs, i, port) for i in range(nprocs)]
     error_queue = SimpleQueue()
     processes = []
     try:
         for i in range(nprocs):
-            p = ctx.Process(target=_wrap, args=(fn, i, args, error_queue), daemon=daemon)
+            p = ctx.Process(target=_wrap, args=(fn, i, args, error_queue, envs[i]), daemon=daemon)
             p.start()
             processes.append(p)
     except BaseException:
@@ -176,6 +203,6 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     return None
 
 
-def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn", launch_env=True):
     """torch.multiprocessing.spawn: start_processes with the spawn method by default."""
-    return start_processes(fn, args, nprocs, join, daemon, start_method)
+    return start_processes(fn, args, nprocs, join, daemon, start_method, launch_env)
