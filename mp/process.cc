@@ -112,16 +112,7 @@ pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd,
   std::vector<char*> envp;
   char** child_environ = environ;
   if (env != nullptr && !env->empty()) {
-    for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
-      bool replaced = false;
-      for (const auto& [k, v] : *env) {
-        if (std::strncmp(*e, k.c_str(), k.size()) == 0 && (*e)[k.size()] == '=') replaced = true;
-      }
-      if (!replaced) envp.push_back(*e);
-    }
-    for (const auto& [k, v] : *env) entries.push_back(k + "=" + v);
-    for (std::string& s : entries) envp.push_back(s.data());
-    envp.push_back(nullptr);
+    envp = EnvironmentWith(*env, entries);
     child_environ = envp.data();
   }
   pid_t pid = 0;

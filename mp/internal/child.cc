@@ -489,31 +489,28 @@ void CheckChildEnvironment(const ChildEnvironment& env, const std::string& proce
   }
 }
 
-void ApplyChildEnvironment(const ChildEnvironment& env) {
-  if (env.empty()) return;
-  size_t n = 0;
-  while (environ != nullptr && environ[n] != nullptr) ++n;
-  // Leaked on purpose: the process's environment for the rest of its life.
-  char** fresh = new char*[n + env.size() + 1];
-  size_t m = 0;
-  for (size_t i = 0; i < n; ++i) {
+std::vector<char*> EnvironmentWith(const ChildEnvironment& env, std::vector<std::string>& storage) {
+  storage.clear();
+  for (const auto& [k, v] : env) storage.push_back(k + "=" + v);
+  std::vector<char*> out;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
     bool replaced = false;
     for (const auto& [k, v] : env) {
-      if (std::strncmp(environ[i], k.c_str(), k.size()) == 0 && environ[i][k.size()] == '=') {
-        replaced = true;
-        break;
-      }
+      if (std::strncmp(*e, k.c_str(), k.size()) == 0 && (*e)[k.size()] == '=') replaced = true;
     }
-    if (!replaced) fresh[m++] = environ[i];
+    if (!replaced) out.push_back(*e);
   }
-  for (const auto& [k, v] : env) {
-    const std::string entry = k + "=" + v;
-    char* copy = new char[entry.size() + 1];
-    std::memcpy(copy, entry.c_str(), entry.size() + 1);
-    fresh[m++] = copy;
-  }
-  fresh[m] = nullptr;
-  environ = fresh;
+  for (std::string& s : storage) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+void ApplyChildEnvironment(const ChildEnvironment& env) {
+  if (env.empty()) return;
+  // Leaked on purpose: the process's environment for the rest of its life.
+  auto* storage = new std::vector<std::string>;
+  auto* array = new std::vector<char*>(EnvironmentWith(env, *storage));
+  environ = array->data();
 }
 
 void RunChildBody(const std::function<void()>& target, Connection result, const std::string& name,

@@ -147,6 +147,9 @@ void RegisterExitReport();
 /// RegisterExitReport() ran before the fork.
 [[noreturn]] void RunChildBody(const std::function<void()>& target, Connection result,
                                const std::string& name, const ChildEnvironment& env);
+/// This process's environment with `env`'s variables replacing or added, as a null-terminated
+/// array for execve/posix_spawn; the added entries live in `storage`, the others are environ's.
+std::vector<char*> EnvironmentWith(const ChildEnvironment& env, std::vector<std::string>& storage);
 /// Sets `env` (name, value pairs) in this process's environment without the C library's
 /// environment lock (a forked child of a threaded parent may find it held): a new `environ`
 /// array, the old entries kept. Safe only while no other thread runs.

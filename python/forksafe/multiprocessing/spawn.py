@@ -31,6 +31,7 @@ from multiprocessing import connection as _stdlib_connection
 from .. import _forksafe
 from ..errors import ProcessFailedError
 from .context import get_context
+from .launch import launch_info
 from .queues import SimpleQueue
 
 __all__ = ["spawn", "start_processes", "ProcessContext", "ProcessException",
@@ -180,8 +181,9 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     ctx = get_context(start_method)
     envs = [None] * nprocs
     if launch_env:
-        info = _forksafe.mp.launch_info()  # (launcher, rank, ..., world_size at [3], master_addr)
-        port = _forksafe.mp.free_loopback_port() if not info[6] and info[3] == 1 else 0
+        info = launch_info()
+        alone = not info.master_addr and info.world_size == 1
+        port = _forksafe.mp.free_loopback_port() if alone else 0
         envs = [_forksafe.mp.spawn_child_environment(nprocs, i, port) for i in range(nprocs)]
     error_queue = SimpleQueue()
     processes = []
