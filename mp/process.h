@@ -111,7 +111,7 @@ struct ProcessOptions {
   /// "forkserver" they are set in the child before the target runs. (Otherwise a child has its
   /// parent's environment, except under "forkserver": there it has the fork server's, which was
   /// the parent's when the server started, as in Python.)
-  std::vector<std::pair<std::string, std::string>> env;
+  std::vector<std::pair<std::string, std::string>> env{};
 };
 
 /// What a child reported when its target threw.

@@ -505,12 +505,19 @@ std::vector<char*> EnvironmentWith(const ChildEnvironment& env, std::vector<std:
   return out;
 }
 
+namespace {
+// The child's environment for the rest of its life, held by globals so that it stays reachable:
+// a target that leaves with exit() would otherwise have LeakSanitizer report the two vectors and
+// abort the child (SIGABRT where its own exit code was expected; CI's asan run).
+std::vector<std::string>* g_env_storage = nullptr;
+std::vector<char*>* g_env_array = nullptr;
+}  // namespace
+
 void ApplyChildEnvironment(const ChildEnvironment& env) {
   if (env.empty()) return;
-  // Leaked on purpose: the process's environment for the rest of its life.
-  auto* storage = new std::vector<std::string>;
-  auto* array = new std::vector<char*>(EnvironmentWith(env, *storage));
-  environ = array->data();
+  g_env_storage = new std::vector<std::string>;
+  g_env_array = new std::vector<char*>(EnvironmentWith(env, *g_env_storage));
+  environ = g_env_array->data();
 }
 
 void RunChildBody(const std::function<void()>& target, Connection result, const std::string& name,
