@@ -6,6 +6,9 @@
 // - BM_BarePingPong: 64 bytes there and back over a socketpair, raw read/write.
 // - BM_PipeRoundTrip: the same through mp::Pipe (framing + codec).
 // - BM_QueueRoundTrip: the same through two mp::Queues (shared ring, robust lock, spin then doorbell).
+// - BM_ManagerDictSetGet: d.set(k, i) + d.get(k) of an int on a Manager dict proxy (two proxy
+//   round trips); BM_ManagerValueGet: one Value<int>.get(). Python's multiprocessing.Manager()
+//   doing the same: bench/peers/manager_python.py.
 // - BM_ProcessStartJoin/<method>: Process start + join of a function that returns at once.
 // - BM_Spawn2/<method>: spawn(nprocs=2) of a trivial entry point, end to end.
 // - BM_SharedTensorRoundTrip/<bytes>: an already-shared CPU tensor there and back through two
@@ -27,6 +30,7 @@
 
 #include "benchmark/benchmark.h"
 #include "forksafe/mp/connection.h"
+#include "forksafe/mp/manager.h"
 #include "forksafe/mp/pool.h"
 #include "forksafe/mp/process.h"
 #include "forksafe/mp/queue.h"
@@ -134,6 +138,24 @@ void BM_QueueRoundTrip(benchmark::State& state) {
   p.join(10.0);
 }
 BENCHMARK(BM_QueueRoundTrip)->UseRealTime()->MinTime(0.5)->Repetitions(3);
+
+void BM_ManagerDictSetGet(benchmark::State& state) {
+  Manager manager(ManagerOptions{"", "fork"});
+  auto d = manager.dict<int, int>();
+  int i = 0;
+  for (auto _ : state) {
+    d.set(1, ++i);
+    benchmark::DoNotOptimize(d.get(1));
+  }
+}
+BENCHMARK(BM_ManagerDictSetGet)->UseRealTime()->MinTime(0.5)->Repetitions(3);
+
+void BM_ManagerValueGet(benchmark::State& state) {
+  Manager manager(ManagerOptions{"", "fork"});
+  auto v = manager.Value<int>(7);
+  for (auto _ : state) benchmark::DoNotOptimize(v.get());
+}
+BENCHMARK(BM_ManagerValueGet)->UseRealTime()->MinTime(0.5)->Repetitions(3);
 
 void TensorEcho(Queue in, Queue out) {
   for (;;) {
@@ -360,6 +382,10 @@ int main(int argc, char** argv) {
     printf("ratio queue round trip / bare ping-pong = %.2f (target <= 2)\n",
            r.us_["BM_QueueRoundTrip"] / bare);
     printf("ratio pipe round trip / bare ping-pong  = %.2f\n", r.us_["BM_PipeRoundTrip"] / bare);
+    if (r.us_.count("BM_ManagerValueGet") != 0) {
+      printf("ratio manager Value.get / bare ping-pong = %.2f\n",
+             r.us_["BM_ManagerValueGet"] / bare);
+    }
     for (const char* k : {"BM_PoolMapTensors/2000 x 4 KiB", "BM_PoolMapTensors/500 x 1024 KiB"}) {
       const double over = r.counters_[std::string(k) + " overhead_us"];
       printf("%s: per-task %.1f us, overhead %.1f us = %.2f x bare ping-pong (target <= 3)\n", k,

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <list>
 #include <map>
@@ -86,134 +88,6 @@ WorkerLostError::WorkerLostError(pid_t worker_pid, int exit_code, const std::str
 // ---- JobState -----------------------------------------------------------------------------------
 
 namespace internal {
-
-PoolDeadline ToPoolDeadline(const Timeout& timeout, const char* what) {
-  return DeadlineAfter(timeout, what);
-}
-
-JobState::JobState(std::string what, std::vector<size_t> chunk_sizes, bool fail_fast)
-    : what_(std::move(what)),
-      sizes_(std::move(chunk_sizes)),
-      fail_fast_(fail_fast),
-      owner_(getpid()),
-      done_(sizes_.size(), 0),
-      results_(sizes_.size()),
-      errors_(sizes_.size()),
-      outstanding_(sizes_.size()) {
-  size_t s = 0;
-  starts_.reserve(sizes_.size());
-  for (size_t n : sizes_) {
-    starts_.push_back(s);
-    s += n;
-  }
-}
-
-void JobState::CheckOwner(const char* call) const {
-  if (getpid() != owner_) {
-    throw Error(ErrorCode::kFailedPrecondition,
-                absl::StrCat(call, ": this result belongs to a pool of process ", owner_,
-                             "; a forked child (pid ", getpid(), ") cannot wait for it"));
-  }
-}
-
-bool JobState::ReadyLocked() const {
-  return outstanding_ == 0 || (fail_fast_ && first_error_ != nullptr);
-}
-
-bool JobState::Complete(size_t chunk, Message result) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (chunk >= done_.size() || done_[chunk]) return false;
-  done_[chunk] = 1;
-  results_[chunk] = std::move(result);
-  completion_order_.push_back(chunk);
-  --outstanding_;
-  cv_.notify_all();
-  return outstanding_ == 0;
-}
-
-bool JobState::Fail(size_t chunk, std::exception_ptr error) {
-  std::lock_guard<std::mutex> lk(mu_);
-  if (chunk >= done_.size() || done_[chunk]) return false;
-  done_[chunk] = 1;
-  errors_[chunk] = error;
-  if (!first_error_) first_error_ = error;
-  completion_order_.push_back(chunk);
-  --outstanding_;
-  cv_.notify_all();
-  return outstanding_ == 0;
-}
-
-bool JobState::failed() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return first_error_ != nullptr;
-}
-
-bool JobState::ready() const {
-  CheckOwner("AsyncResult::ready");
-  std::lock_guard<std::mutex> lk(mu_);
-  return ReadyLocked();
-}
-
-bool JobState::WaitReady(PoolDeadline deadline) const {
-  CheckOwner("AsyncResult::wait");
-  std::unique_lock<std::mutex> lk(mu_);
-  if (!deadline) {
-    cv_.wait(lk, [&] { return ReadyLocked(); });
-    return true;
-  }
-  return cv_.wait_until(lk, *deadline, [&] { return ReadyLocked(); });
-}
-
-bool JobState::WaitChunk(size_t chunk, PoolDeadline deadline) const {
-  CheckOwner("ResultIterator::next");
-  std::unique_lock<std::mutex> lk(mu_);
-  auto pred = [&] { return done_[chunk] != 0; };
-  if (!deadline) {
-    cv_.wait(lk, pred);
-    return true;
-  }
-  return cv_.wait_until(lk, *deadline, pred);
-}
-
-std::optional<size_t> JobState::WaitCompletion(size_t n, PoolDeadline deadline) const {
-  CheckOwner("ResultIterator::next");
-  std::unique_lock<std::mutex> lk(mu_);
-  auto pred = [&] { return completion_order_.size() > n; };
-  if (!deadline) {
-    cv_.wait(lk, pred);
-  } else if (!cv_.wait_until(lk, *deadline, pred)) {
-    return std::nullopt;
-  }
-  return completion_order_[n];
-}
-
-std::exception_ptr JobState::error(size_t chunk) const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return errors_[chunk];
-}
-
-std::exception_ptr JobState::first_error() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return first_error_;
-}
-
-Message JobState::TakeResult(size_t chunk) {
-  std::lock_guard<std::mutex> lk(mu_);
-  return std::move(results_[chunk]);
-}
-
-void JobState::ThrowTimeout(const char* call, const Timeout& timeout) const {
-  size_t done = 0;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    done = sizes_.size() - outstanding_;
-  }
-  throw Error(ErrorCode::kDeadlineExceeded,
-              absl::StrCat(call, ": the result of ", what_, " was not ready within ",
-                           timeout.has_value() ? timeout->count() : 0.0, " s (", done, " of ",
-                           sizes_.size(), " chunks done); wait longer, or check that the "
-                           "tasks can finish"));
-}
 
 // ---- runners and entry points, found by name in spawned workers --------------------------------
 
@@ -374,7 +248,25 @@ void RunWorker(Connection conn, const WorkerSetup& s) {
     } catch (const Error&) {
       return;  // end of stream: the pool closed our connection
     }
-    PoolTask task = DecodePoolTask(std::move(msg));
+    PoolTask task;
+    try {
+      task = DecodePoolTask(std::move(msg));
+    } catch (const Error& e) {
+      // Not a message of our pool's (a bug, or someone else writing to our socket): the stream
+      // cannot be trusted after it, so the worker says so and leaves (exit code 0); the pool
+      // fails the chunk it held with that word (RemoteError) and starts a replacement.
+      std::fprintf(stderr, "forksafe: pool worker %d: a malformed task message (%s); leaving\n",
+                   static_cast<int>(getpid()), e.what());
+      try {
+        Reply(conn, "malformed", 0,
+              Encode(ChildFailure{"forksafe::runtime::Error",
+                                  absl::StrCat("the worker received a malformed task message (",
+                                               e.what(), ") and left"),
+                                  ""}));
+      } catch (...) {
+      }
+      return;
+    }
     if (task.kind != "task") return;  // "exit"
     const uint64_t id = task.id;
     const TaskFn& fn = task.fn;
@@ -514,6 +406,32 @@ struct Pool::Impl {
   uint64_t next_task_id = 0;
   std::exception_ptr broken;  // set once: queued and later work fails with it
   std::vector<pid_t> pid_snapshot;
+  // Jobs whose results may hold descriptors a forked worker must not inherit (pruned as they go).
+  std::vector<std::weak_ptr<JobState>> live_jobs;  // "fork" only
+  size_t prune_jobs_at = 64;
+
+  // Remembers a job for StartWorker (fork: what its results hold). Call under mu.
+  void TrackJobLocked(const std::shared_ptr<JobState>& job) {
+    if (method != "fork") return;
+    live_jobs.push_back(job);
+    if (live_jobs.size() < prune_jobs_at) return;
+    PruneJobsLocked();
+    prune_jobs_at = std::max<size_t>(64, 2 * live_jobs.size());
+  }
+  void PruneJobsLocked() {
+    auto dead = std::remove_if(live_jobs.begin(), live_jobs.end(),
+                               [](const std::weak_ptr<JobState>& j) { return j.expired(); });
+    live_jobs.erase(dead, live_jobs.end());
+  }
+
+  // Runs the jobs' callbacks (mp/internal/pool_job.h); shared with its thread.
+  std::shared_ptr<internal::CallbackRunner> callbacks;
+  // What open imap jobs submit through; cleared (under its mutex) when the Pool is destroyed.
+  struct Intake {
+    std::mutex mu;
+    Impl* impl = nullptr;
+  };
+  std::shared_ptr<Intake> intake = std::make_shared<Intake>();
 
   std::mutex join_mu;  // serializes joining the dispatcher thread
   std::thread dispatcher;
@@ -552,11 +470,13 @@ struct Pool::Impl {
 
   // Records a chunk's outcome and forgets the job's local callable once the job is finished.
   // Call without mu.
+  // Posts the job's callback once it is finished. Call without mu.
   void Finish(const std::shared_ptr<JobState>& job, bool last) {
     if (last && job->local_id) {
       std::lock_guard<std::mutex> lk(mu);
       locals.erase(*job->local_id);
     }
+    if (job->has_callback() && job->TakeFinishedEvent()) callbacks->Post(job);
   }
   void FailChunk(Chunk& c, std::exception_ptr e) { Finish(c.job, c.job->Fail(c.index, e)); }
   void CompleteChunk(Chunk& c, Message m) { Finish(c.job, c.job->Complete(c.index, std::move(m))); }
@@ -594,13 +514,28 @@ struct Pool::Impl {
             internal::AddInherited(&s.close_inherited, f.get());
           }
         }
+        // Results not collected yet: a worker holding a result's Connection would keep its peer
+        // from ever reading end-of-file.
+        PruneJobsLocked();
+        for (const std::weak_ptr<JobState>& j : live_jobs) {
+          std::shared_ptr<JobState> job = j.lock();
+          if (!job) continue;
+          // Under the job's lock: a result cannot be taken (and its descriptor closed, and the
+          // number reused) while its file is identified.
+          job->ForEachResultFd([&s](int fd) { internal::AddInherited(&s.close_inherited, fd); });
+        }
       }
-      for (const Worker& o : workers) {  // a chunk that could not be delivered waits there
-        if (!o.held) continue;
+      for (const Worker& o : workers) {
+        // The other workers' channels: a worker holding them would keep them open after the
+        // pool closed its end (and after that worker died).
+        internal::AddInherited(&s.close_inherited, o.conn.closed() ? -1 : o.conn.fileno());
+        if (o.proc) internal::AddInherited(&s.close_inherited, o.proc->report_fd());
+        if (!o.held) continue;  // a chunk that could not be delivered waits there
         for (const FileDescriptor& f : o.held->payload.fds) {
           internal::AddInherited(&s.close_inherited, f.get());
         }
       }
+      internal::AddInherited(&s.close_inherited, wake_fd.get());
       s.close_fd = parent_end.fileno();
       w.proc = std::make_unique<Process>(
           po, [s = std::move(s)](Connection c) { internal::RunWorker(std::move(c), s); },
@@ -677,6 +612,17 @@ struct Pool::Impl {
           f, w.pid,
           absl::StrCat("the initializer of pool ", name,
                        " (the pool is broken: queued and later work fails with this error)"))));
+      return;
+    }
+    if (kind == "malformed") {  // it leaves: what it held fails with its word
+      w.state = Worker::State::kRetiring;
+      w.retire_deadline = Clock::now() + std::chrono::seconds(10);
+      if (w.held) {
+        Chunk c = std::move(*w.held);
+        w.held.reset();
+        ChildFailure f = DecodeAs<ChildFailure>(p);
+        FailChunk(c, std::make_exception_ptr(RemoteError(std::move(f), w.pid, c.Describe())));
+      }
       return;
     }
     if ((kind != "done" && kind != "error") || !w.held || w.held->task_id != id) return;
@@ -1060,6 +1006,8 @@ Pool::Pool(PoolOptions options) : impl_(std::make_unique<Impl>()) {
   }
   p.options = std::move(options);
   p.owner = getpid();
+  p.callbacks = std::make_shared<internal::CallbackRunner>(p.name);
+  p.intake->impl = &p;
   const int efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (efd < 0) runtime::ThrowSystemError("Pool: eventfd", errno);
   p.wake_fd.reset(efd);
@@ -1080,6 +1028,10 @@ Pool::~Pool() {
     // An inherited copy in a forked child: its thread and workers are the parent's.
     (void)impl_.release();
     return;
+  }
+  {
+    std::lock_guard<std::mutex> lk(impl_->intake->mu);
+    impl_->intake->impl = nullptr;  // open imaps outliving the pool submit nothing more
   }
   try {
     terminate();
@@ -1111,6 +1063,7 @@ void Pool::terminate() {
                                                         "task ran")));
   }
   p.WaitDone(std::nullopt);
+  p.callbacks->Stop();  // the callbacks of what finished or failed run before terminate() returns
 }
 
 bool Pool::join(Timeout timeout) {
@@ -1125,7 +1078,9 @@ bool Pool::join(Timeout timeout) {
                                "let queued work finish (or terminate() to drop it) before join()"));
     }
   }
-  return p.WaitDone(deadline);
+  if (!p.WaitDone(deadline)) return false;
+  p.callbacks->Stop();  // as Python's join(): every callback has run
+  return true;
 }
 
 int Pool::processes() const { return impl_->nproc; }
@@ -1135,6 +1090,10 @@ std::vector<pid_t> Pool::pids() const {
   std::lock_guard<std::mutex> lk(impl_->mu);
   return impl_->pid_snapshot;
 }
+
+uint64_t Pool::callback_failures() const { return impl_->callbacks->failures(); }
+
+size_t Pool::LazyWindow() const { return static_cast<size_t>(std::max(1, impl_->nproc)) * 2; }
 
 void Pool::ThrowBadResultCount(const internal::JobState& job, size_t got) {
   throw Error(ErrorCode::kInternal,
@@ -1192,50 +1151,174 @@ size_t Pool::ChunkSize(const char* what, size_t n, int chunksize, bool is_map) c
   return std::max<size_t>(cs, 1);
 }
 
+// What a job's chunks run: its TaskFn, and the worker generation that can run it (fork: workers
+// forked before a local callable was registered cannot). Registers the job's local callable.
+// Call under p.mu.
+struct Pool::TaskSpec {
+  std::shared_ptr<const TaskFn> task;
+  uint64_t min_generation = 0;
+};
+
+Pool::TaskSpec Pool::PrepareTaskLocked(internal::FnSpec& fn, JobState& job) {
+  Impl& p = *impl_;
+  auto task = std::make_shared<TaskFn>();
+  uint64_t min_generation = 0;
+  if (fn.local) {
+    const uint64_t id = p.next_local_id++;
+    job.local_id = id;
+    p.locals.emplace(id, fn.local);
+    task->kind = TaskFn::kLocal;
+    task->local_id = id;
+    min_generation = id + 1;
+  } else if (p.method == "fork") {
+    task->kind = TaskFn::kAddress;
+    task->fn = reinterpret_cast<uintptr_t>(fn.fn);
+    task->runner = reinterpret_cast<uintptr_t>(fn.runner);
+  } else {
+    task->kind = TaskFn::kEntry;
+    task->entry = internal::EntryPointName(fn.fn);
+    task->fn = internal::ModuleOffset(fn.fn);
+    task->runner_key = fn.runner_key;
+  }
+  return TaskSpec{std::move(task), min_generation};
+}
+
+namespace {
+// Throws kFailedPrecondition when the pool takes no new work. Call under p.mu.
+void CheckIntakeLocked(const char* what, const std::string& name, bool running, bool done) {
+  if (!running || done) {
+    throw Error(ErrorCode::kFailedPrecondition,
+                absl::StrCat("Pool::", what, ": pool ", name, " is not running (close() or "
+                             "terminate() was called, or it is broken); create a new Pool"));
+  }
+}
+}  // namespace
+
 std::shared_ptr<internal::JobState> Pool::Enqueue(const char* what, internal::FnSpec fn,
                                                   std::vector<Message> chunks,
-                                                  std::vector<size_t> sizes, bool fail_fast) {
+                                                  std::vector<size_t> sizes, bool fail_fast,
+                                                  const Attach& attach) {
   Impl& p = *impl_;
   auto job = std::make_shared<JobState>(what, std::move(sizes), fail_fast);
-  auto task = std::make_shared<TaskFn>();
   {
     std::lock_guard<std::mutex> lk(p.mu);
-    if (p.phase != Impl::Phase::kRunning || p.dispatcher_done) {
-      throw Error(ErrorCode::kFailedPrecondition,
-                  absl::StrCat("Pool::", what, ": pool ", p.name, " is not running (close() or "
-                               "terminate() was called, or it is broken); create a new Pool"));
-    }
-    uint64_t min_generation = 0;
-    if (fn.local) {
-      const uint64_t id = p.next_local_id++;
-      job->local_id = id;
-      p.locals.emplace(id, fn.local);
-      task->kind = TaskFn::kLocal;
-      task->local_id = id;
-      min_generation = id + 1;
-    } else if (p.method == "fork") {
-      task->kind = TaskFn::kAddress;
-      task->fn = reinterpret_cast<uintptr_t>(fn.fn);
-      task->runner = reinterpret_cast<uintptr_t>(fn.runner);
-    } else {
-      task->kind = TaskFn::kEntry;
-      task->entry = internal::EntryPointName(fn.fn);
-      task->fn = internal::ModuleOffset(fn.fn);
-      task->runner_key = fn.runner_key;
+    CheckIntakeLocked(what, p.name, p.phase == Impl::Phase::kRunning, p.dispatcher_done);
+    TaskSpec spec = PrepareTaskLocked(fn, *job);
+    std::deque<Chunk> queued;
+    try {
+      p.TrackJobLocked(job);
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        Chunk c;
+        c.job = job;
+        c.index = i;
+        c.payload = std::move(chunks[i]);
+        c.fn = spec.task;
+        c.min_generation = spec.min_generation;
+        queued.push_back(std::move(c));
+      }
+      // The callback holds the job's result (a cycle, broken when it runs): set only once
+      // nothing can fail before the job is queued.
+      if (attach) attach(job);
+    } catch (...) {
+      if (job->local_id) p.locals.erase(*job->local_id);
+      job->SetCallback(nullptr);
+      throw;
     }
     if (chunks.empty() && job->local_id) p.locals.erase(*job->local_id);
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      Chunk c;
-      c.job = job;
-      c.index = i;
-      c.payload = std::move(chunks[i]);
-      c.fn = task;
-      c.min_generation = min_generation;
-      p.pending.push_back(std::move(c));
-    }
+    for (Chunk& c : queued) p.pending.push_back(std::move(c));
   }
+  if (chunks.empty()) p.Finish(job, true);  // nothing to run: finished now (its callback runs)
   p.Wake();
   return job;
+}
+
+// ---- lazy imap --------------------------------------------------------------------------------
+
+namespace {
+
+class PoolFeed : public internal::LazyFeed {
+ public:
+  PoolFeed(std::shared_ptr<Pool::Impl::Intake> intake, std::shared_ptr<JobState> job,
+           std::shared_ptr<const TaskFn> task, uint64_t min_generation)
+      : intake_(std::move(intake)),
+        job_(std::move(job)),
+        task_(std::move(task)),
+        min_generation_(min_generation),
+        owner_(getpid()) {}
+  ~PoolFeed() override { Seal(); }
+
+  void Submit(Message chunk, size_t size) override {
+    if (getpid() != owner_) {  // an iterator inherited by a forked child: nothing is the child's
+      throw Error(ErrorCode::kFailedPrecondition,
+                  absl::StrCat(job_->what(), ": this imap belongs to a pool of process ", owner_,
+                               "; a forked child (pid ", getpid(), ") cannot feed it"));
+    }
+    std::lock_guard<std::mutex> ik(intake_->mu);
+    Pool::Impl* p = intake_->impl;
+    const char* why = p == nullptr ? "it was destroyed" : nullptr;
+    if (p != nullptr) {
+      std::lock_guard<std::mutex> lk(p->mu);
+      if (p->broken) {
+        why = "it is broken";
+      } else if (p->phase == Pool::Impl::Phase::kClosed) {
+        why = "close() was called";
+      } else if (p->phase != Pool::Impl::Phase::kRunning || p->dispatcher_done) {
+        why = "terminate() was called";
+      } else {
+        Chunk c;
+        c.job = job_;
+        c.index = job_->AddChunk(size);
+        c.payload = std::move(chunk);
+        c.fn = task_;
+        c.min_generation = min_generation_;
+        p->pending.push_back(std::move(c));
+      }
+    }
+    if (why != nullptr) {
+      throw Error(ErrorCode::kFailedPrecondition,
+                  absl::StrCat(job_->what(), ": the pool stopped taking work (", why, ") after ",
+                               inputs_, " inputs were submitted; the next ", size, " read and "
+                               "the rest of the input did not run. Consume an imap over a "
+                               "generator or a range before closing its pool"));
+    }
+    inputs_ += size;
+    p->Wake();
+  }
+
+  void Seal() override {
+    if (sealed_) return;
+    sealed_ = true;
+    if (getpid() != owner_) return;  // the locks may have been held at the fork: touch nothing
+    const bool last = job_->Seal();
+    std::lock_guard<std::mutex> ik(intake_->mu);
+    if (intake_->impl != nullptr) intake_->impl->Finish(job_, last);
+  }
+
+ private:
+  std::shared_ptr<Pool::Impl::Intake> intake_;
+  std::shared_ptr<JobState> job_;
+  std::shared_ptr<const TaskFn> task_;
+  uint64_t min_generation_;
+  const pid_t owner_;
+  size_t inputs_ = 0;  // inputs submitted so far
+  bool sealed_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<internal::LazyFeed> Pool::OpenFeed(const char* what, internal::FnSpec fn,
+                                                   std::shared_ptr<internal::JobState> job) {
+  CheckSubmit(what, fn);
+  Impl& p = *impl_;
+  TaskSpec spec;
+  {
+    std::lock_guard<std::mutex> lk(p.mu);
+    CheckIntakeLocked(what, p.name, p.phase == Impl::Phase::kRunning, p.dispatcher_done);
+    spec = PrepareTaskLocked(fn, *job);
+    p.TrackJobLocked(job);
+  }
+  return std::make_unique<PoolFeed>(p.intake, std::move(job), std::move(spec.task),
+                                    spec.min_generation);
 }
 
 }  // namespace forksafe::mp

@@ -6,7 +6,10 @@
 //   map / starmap (blocking, results in input order), map_async / starmap_async / apply_async
 //   (an AsyncResult<R> with get(timeout), wait(timeout), ready(), successful()), apply
 //   (blocking), and imap / imap_unordered (a ResultIterator<R> that yields results as they
-//   arrive: in input order, or in completion order; next(timeout) or range-for). close() stops
+//   arrive: in input order, or in completion order; next(timeout) or range-for). The *_async
+//   calls take Python's callback / error_callback as a last Callbacks{on_result, on_error}
+//   argument. imap / imap_unordered over a generator (a callable returning std::optional<T>) or
+//   an input-iterator range read their input lazily, as results are consumed. close() stops
 //   intake and lets queued work finish, terminate() drops it, join(timeout) waits for the
 //   workers to exit. PoolOptions::initializer runs once in every worker before its first task;
 //   maxtasksperchild retires a worker after that many tasks and starts a fresh one.
@@ -59,6 +62,17 @@
 //     every unfinished result with Error(kCancelled). No worker outlives the Pool: all are reaped
 //     by terminate()/join(); workers also die with the parent process (the lifeline of
 //     mp/process.h).
+//   - Callbacks: exactly one of on_result / on_error runs per call, once, on the pool's callback
+//     thread (one per pool, started on first use; never the dispatcher, so a slow callback delays
+//     other callbacks, not the workers), in the order calls finished, and before that call's
+//     get() / wait() / ready() report it done. What a callback throws is written to stderr and
+//     counted (callback_failures()); the call's own result is unaffected. terminate() and join()
+//     return after the callbacks of everything that ended (terminated calls: on_error with
+//     kCancelled).
+//   - Lazy imap: the generator or range is read on the thread that calls next() (never on a
+//     pool thread), at most 2 x processes() chunks ahead of the consumer, so an unbounded input
+//     runs in bounded memory (the records of consumed chunks are dropped). A generator that
+//     throws ends the input: the results read before it are yielded, then its exception.
 //   - Thread safety: every method may be called from any thread of the process that created the
 //     pool (not the destructor concurrently with others). AsyncResult and ResultIterator may be
 //     used from any thread of that process; one ResultIterator is not for several threads.
@@ -75,6 +89,14 @@
 //   - Blocking Pool calls made from inside runtime::ThreadPool tasks can stall the fork of a
 //     replacement worker (under "fork") by that pool's drain deadline.
 //   - A worker stopped (SIGSTOP) in the middle of sending a result stalls the dispatcher.
+//   - A lazy imap needs its consumer: close() (or terminate()) before it is consumed stops
+//     reading its input; the iterator yields what was submitted, then Error(kFailedPrecondition)
+//     saying how many inputs ran. (An imap over a vector submits everything at once and finishes
+//     after close().)
+//   - A callback runs on the pool's callback thread while the pool lives: one that blocks forever
+//     blocks the callbacks after it, and terminate()/join() wait for it. A callback may call the
+//     pool (submit, get its own result, even terminate()).
+//   - Callbacks must be copyable (they are kept in a std::function).
 #ifndef FORKSAFE_MP_POOL_H_
 #define FORKSAFE_MP_POOL_H_
 
@@ -101,6 +123,8 @@
 
 #include "cereal/details/traits.hpp"
 #include "forksafe/mp/codec.h"
+#include "forksafe/mp/internal/pool_call.h"
+#include "forksafe/mp/internal/pool_job.h"
 #include "forksafe/mp/process.h"
 #include "forksafe/mp/timeout.h"
 #include "forksafe/runtime/error.h"
@@ -182,212 +206,41 @@ struct PoolOptions {
   std::function<Message()> initializer_args;
 };
 
+/// Python's callback= and error_callback= of map_async, starmap_async and apply_async, passed as
+/// the call's last argument:
+///
+///     pool.map_async(&Square, xs, Callbacks{[](const std::vector<int>& r) { ... },
+///                                           [](const runtime::Error& e) { ... }});
+///
+/// on_result is called with the call's result (`const R&`; for map, the whole vector); on_error
+/// with its failure, as `const runtime::Error&` or as `std::exception_ptr`. Either may be nullptr.
+/// Exactly one of them runs, once per call, on the pool's callback thread (one per pool, never
+/// the dispatcher), in the order the calls finished, and before the call's get()/wait() return.
+/// What a callback throws is reported on stderr and counted (Pool::callback_failures()), never
+/// propagated: it neither fails the call nor stops the pool.
+template <class OnResult, class OnError = std::nullptr_t>
+struct Callbacks {
+  OnResult on_result;
+  OnError on_error{};
+};
+template <class A>
+Callbacks(A) -> Callbacks<A, std::nullptr_t>;
+template <class A, class B>
+Callbacks(A, B) -> Callbacks<A, B>;
+
 namespace internal {
 
-using PoolClock = std::chrono::steady_clock;
-using PoolDeadline = std::optional<PoolClock::time_point>;
-/// nullopt timeout: forever. Throws kInvalidArgument for a negative timeout, naming `what`.
-PoolDeadline ToPoolDeadline(const Timeout& timeout, const char* what);
+template <class T>
+struct IsCallbacks : std::false_type {};
+template <class A, class B>
+struct IsCallbacks<Callbacks<A, B>> : std::true_type {};
 
-/// The results of one submitted job (a map, an apply, an imap), chunk by chunk. Filled by the
-/// pool's dispatcher, read by AsyncResult / ResultIterator.
-class JobState {
- public:
-  JobState(std::string what, std::vector<size_t> chunk_sizes, bool fail_fast);
-
-  const std::string& what() const { return what_; }
-  size_t num_chunks() const { return sizes_.size(); }
-  size_t chunk_size(size_t chunk) const { return sizes_[chunk]; }
-  size_t chunk_start(size_t chunk) const { return starts_[chunk]; }
-  bool fail_fast() const { return fail_fast_; }
-
-  // Dispatcher side: the first outcome of a chunk wins. Return true when this was the job's
-  // last outstanding chunk.
-  bool Complete(size_t chunk, Message result);
-  bool Fail(size_t chunk, std::exception_ptr error);
-
-  // User side; each throws kFailedPrecondition in a process other than the one that made it.
-  bool failed() const;
-  /// All chunks done, or (fail_fast) one failed.
-  bool ready() const;
-  bool WaitReady(PoolDeadline deadline) const;
-  bool WaitChunk(size_t chunk, PoolDeadline deadline) const;
-  /// The chunk that finished n-th (0-based); nullopt on timeout.
-  std::optional<size_t> WaitCompletion(size_t n, PoolDeadline deadline) const;
-  std::exception_ptr error(size_t chunk) const;
-  /// The first failure recorded, in time.
-  std::exception_ptr first_error() const;
-  /// Moves a completed chunk's encoded results out.
-  Message TakeResult(size_t chunk);
-  /// Throws Error(kDeadlineExceeded) describing the job's progress.
-  [[noreturn]] void ThrowTimeout(const char* call, const Timeout& timeout) const;
-
-  /// Set by the pool before the job is queued: the local callable it uses (fork), if any.
-  std::optional<uint64_t> local_id;
-
- private:
-  void CheckOwner(const char* call) const;
-  bool ReadyLocked() const;
-
-  const std::string what_;
-  const std::vector<size_t> sizes_;
-  std::vector<size_t> starts_;
-  const bool fail_fast_;
-  const pid_t owner_;
-  mutable std::mutex mu_;
-  mutable std::condition_variable cv_;
-  std::vector<uint8_t> done_;
-  std::vector<Message> results_;
-  std::vector<std::exception_ptr> errors_;
-  std::vector<size_t> completion_order_;
-  std::exception_ptr first_error_;
-  size_t outstanding_;
-};
-
-// ---- calling a task ---------------------------------------------------------------------------
-
-template <class F>
-struct FnPtrTraits {
-  static constexpr bool kIsFnPtr = false;
-};
-template <class R, class... P>
-struct FnPtrTraits<R (*)(P...)> {
-  static constexpr bool kIsFnPtr = true;
-  static constexpr size_t kArity = sizeof...(P);
-  using Args = std::tuple<std::decay_t<P>...>;
-  using First = std::decay_t<std::tuple_element_t<0, std::tuple<P..., void>>>;
-};
-template <class R, class... P>
-struct FnPtrTraits<R (*)(P...) noexcept> : FnPtrTraits<R (*)(P...)> {};
-
-template <class F, class Tup>
-struct Applicable;
-template <class F, class... Ts>
-struct Applicable<F, std::tuple<Ts...>> {
-  static constexpr bool kRvalue = std::is_invocable_v<F, Ts&&...>;
-  static constexpr bool kLvalue = std::is_invocable_v<F, Ts&...>;
-};
-
-// Calls f with one element (moved when f accepts an rvalue).
-template <class F, class A>
-decltype(auto) CallOne(F& f, A& a) {
-  if constexpr (std::is_invocable_v<F&, A&&>) {
-    return std::invoke(f, std::move(a));
-  } else {
-    return std::invoke(f, a);
-  }
-}
-// Calls f with a tuple's elements as arguments.
-template <class F, class Tup>
-decltype(auto) CallStar(F& f, Tup& t) {
-  if constexpr (Applicable<F&, Tup>::kRvalue) {
-    return std::apply(f, std::move(t));
-  } else {
-    return std::apply(f, t);
-  }
-}
-
-template <class D, class W, bool kStar>
-constexpr bool Callable() {
-  if constexpr (kStar) {
-    return Applicable<D&, W>::kRvalue || Applicable<D&, W>::kLvalue;
-  } else {
-    return std::is_invocable_v<D&, W&&> || std::is_invocable_v<D&, W&>;
-  }
-}
-
-template <class D, class W, bool kStar>
-struct CallResult {
-  using type = std::decay_t<decltype(CallOne(std::declval<D&>(), std::declval<W&>()))>;
-};
-template <class D, class W>
-struct CallResult<D, W, true> {
-  using type = std::decay_t<decltype(CallStar(std::declval<D&>(), std::declval<W&>()))>;
-};
-
-/// Decodes a chunk (std::vector<W>), calls f on each element, encodes std::vector<R>.
-template <class W, class R, bool kStar, class F>
-void RunElements(F& f, Message& in, Message& out) {
-  std::vector<W> items;
-  Decode(in, items);
-  std::vector<R> results;
-  results.reserve(items.size());
-  for (W& w : items) {
-    if constexpr (kStar) {
-      results.push_back(CallStar(f, w));
-    } else {
-      results.push_back(CallOne(f, w));
-    }
-  }
-  out = Encode(results);
-}
-
-/// Runs a chunk with a function given by address.
-using RawRunner = void (*)(const void* fn, Message& in, Message& out);
-/// Runs a chunk with a callable that lives in this process (fork only).
-using LocalRunner = std::function<void(Message& in, Message& out)>;
-
-/// Registers a runner under a key that is the same in every process of this program (its
-/// mangled type name). Done at static initialization, so spawned workers have every runner that
-/// the program can submit.
-bool RegisterPoolRunner(const char* key, RawRunner runner);
-
-template <class D, class W, class R, bool kStar>
-struct ElementRunner {
-  static void Run(const void* fn, Message& in, Message& out) {
-    D f = reinterpret_cast<D>(const_cast<void*>(fn));
-    RunElements<W, R, kStar>(f, in, out);
-  }
-  static const char* Key() {
-    (void)kRegistered;  // odr-use: instantiates the registration below
-    return typeid(ElementRunner).name();
-  }
-  static const bool kRegistered;
-};
-template <class D, class W, class R, bool kStar>
-const bool ElementRunner<D, W, R, kStar>::kRegistered =
-    RegisterPoolRunner(typeid(ElementRunner<D, W, R, kStar>).name(),
-                       &ElementRunner<D, W, R, kStar>::Run);
-
-/// What the typed layer hands the pool: a function pointer with its runner, or a local callable.
-struct FnSpec {
-  const void* fn = nullptr;
-  RawRunner runner = nullptr;
-  const char* runner_key = nullptr;
-  std::shared_ptr<const LocalRunner> local;
-};
-
-template <class D, class W, class R, bool kStar, class F>
-FnSpec MakeFnSpec(F&& fn) {
-  FnSpec spec;
-  if constexpr (FnPtrTraits<D>::kIsFnPtr) {
-    D p = fn;
-    spec.fn = reinterpret_cast<const void*>(p);
-    spec.runner = &ElementRunner<D, W, R, kStar>::Run;
-    spec.runner_key = ElementRunner<D, W, R, kStar>::Key();
-  } else {
-    spec.local = std::make_shared<const LocalRunner>(
-        [f = D(std::forward<F>(fn))](Message& in, Message& out) mutable {
-          RunElements<W, R, kStar>(f, in, out);
-        });
-  }
-  return spec;
-}
-
-// The wire type of one element: the function's parameter (tuple of parameters for star calls)
-// for function pointers, the input's own type for other callables.
-template <class D, class T, bool kStar, bool = FnPtrTraits<D>::kIsFnPtr>
-struct WireOf {
-  using type = T;
-};
-template <class D, class T>
-struct WireOf<D, T, false, true> {
-  using type = typename FnPtrTraits<D>::First;
-};
-template <class D, class T>
-struct WireOf<D, T, true, true> {
-  using type = typename FnPtrTraits<D>::Args;
-};
+// Whether the last of a pack is a Callbacks.
+template <class... Ts>
+struct LastIsCallbacks : std::false_type {};
+template <class T, class... Ts>
+struct LastIsCallbacks<T, Ts...>
+    : IsCallbacks<std::decay_t<std::tuple_element_t<sizeof...(Ts), std::tuple<T, Ts...>>>> {};
 
 }  // namespace internal
 
@@ -409,11 +262,11 @@ class AsyncResult {
     }
     if (std::exception_ptr e = s.job->first_error()) std::rethrow_exception(e);
     std::lock_guard<std::mutex> lk(s.mu);
-    if (!s.value) s.value.emplace(s.assemble(*s.job));
+    R& v = s.ValueLocked();
     if constexpr (std::is_copy_constructible_v<R>) {
-      return *s.value;
+      return v;
     } else {
-      return std::move(*s.value);
+      return std::move(v);
     }
   }
   /// Waits at most `timeout` until the result is ready; returns whether it is.
@@ -442,12 +295,50 @@ class AsyncResult {
     std::function<R(internal::JobState&)> assemble;
     std::mutex mu;
     std::optional<R> value;
+    std::exception_ptr assemble_error;
+    // The decoded result, assembled once (under mu); throws what assembling threw.
+    R& ValueLocked() {
+      if (value) return *value;
+      if (assemble_error) std::rethrow_exception(assemble_error);
+      try {
+        value.emplace(assemble(*job));
+      } catch (...) {
+        assemble_error = std::current_exception();
+        throw;
+      }
+      return *value;
+    }
   };
   AsyncResult(std::shared_ptr<internal::JobState> job,
               std::function<R(internal::JobState&)> assemble)
       : state_(std::make_shared<State>()) {
     state_->job = std::move(job);
     state_->assemble = std::move(assemble);
+  }
+  // Makes the job's callback: assembles the result and calls on_result, or calls on_error. It
+  // holds the state until it has run (the job drops it then).
+  template <class A, class B>
+  static std::function<void()> MakeCallback(std::shared_ptr<State> st, Callbacks<A, B> cbs) {
+    return [st = std::move(st), cbs = std::move(cbs)]() mutable {
+      std::exception_ptr err = st->job->first_error();
+      R* v = nullptr;
+      if (!err) {
+        try {
+          std::lock_guard<std::mutex> lk(st->mu);
+          v = &st->ValueLocked();
+        } catch (...) {
+          err = std::current_exception();
+        }
+      }
+      if (err) {
+        internal::CallOnError(cbs.on_error, err);
+      } else if constexpr (!std::is_same_v<A, std::nullptr_t>) {
+        static_assert(std::is_invocable_v<A&, const R&>,
+                      "Callbacks: on_result must be callable with the call's result (const R&; "
+                      "for map_async the std::vector of results)");
+        cbs.on_result(static_cast<const R&>(*v));
+      }
+    };
   }
   State& Live(const char* call) const {
     if (!state_) {
@@ -460,22 +351,46 @@ class AsyncResult {
 };
 
 /// The results of imap / imap_unordered, as they arrive. Move-only: each result is yielded once.
+/// For an imap over a generator or an iterator range, next() also reads the input, on the thread
+/// that iterates: at most window() chunks are submitted and not yet consumed.
 template <class R>
 class ResultIterator {
  public:
   ResultIterator(ResultIterator&&) noexcept = default;
-  ResultIterator& operator=(ResultIterator&&) noexcept = default;
+  ResultIterator& operator=(ResultIterator&& o) noexcept {
+    if (this != &o) {
+      SealFeed();
+      job_ = std::move(o.job_);
+      ordered_ = o.ordered_;
+      cursor_ = o.cursor_;
+      buffer_ = std::move(o.buffer_);
+      feed_ = std::move(o.feed_);
+      read_ = std::move(o.read_);
+      window_ = o.window_;
+      added_ = o.added_;
+      input_error_ = std::move(o.input_error_);
+    }
+    return *this;
+  }
   ResultIterator(const ResultIterator&) = delete;
   ResultIterator& operator=(const ResultIterator&) = delete;
+  /// A lazy imap's input is not read further; chunks already submitted still run.
+  ~ResultIterator() { SealFeed(); }
 
   /// The next result, waiting at most `timeout`; nullopt once all were returned. Throws
   /// Error(kDeadlineExceeded) on timeout (nothing is consumed then), and a failed chunk's error
-  /// once, in its place (the iteration then goes on with the next chunk).
+  /// once, in its place (the iteration then goes on with the next chunk). A lazy input that
+  /// throws (or a pool that stops taking its chunks: closed, terminated, broken) ends the
+  /// iteration: the chunks read before it are yielded, then that error is thrown once.
   std::optional<R> next(Timeout timeout = std::nullopt) {
     const internal::PoolDeadline deadline =
         internal::ToPoolDeadline(timeout, "ResultIterator::next");
+    TopUp();
     while (buffer_.empty()) {
-      if (cursor_ >= job_->num_chunks()) return std::nullopt;
+      if (cursor_ >= added_) {
+        if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
+        return std::nullopt;
+      }
       size_t chunk = cursor_;
       if (ordered_) {
         if (!job_->WaitChunk(cursor_, deadline)) {
@@ -487,8 +402,11 @@ class ResultIterator {
         chunk = *c;
       }
       ++cursor_;
-      if (std::exception_ptr e = job_->error(chunk)) std::rethrow_exception(e);
-      Message m = job_->TakeResult(chunk);
+      std::exception_ptr e = job_->error(chunk);
+      Message m = e ? Message() : job_->TakeResult(chunk);
+      if (window_ > 0) job_->Release(chunk);  // lazy: the record is not kept
+      TopUp();
+      if (e) std::rethrow_exception(e);
       std::vector<R> items = DecodeAs<std::vector<R>>(m);
       for (R& r : items) buffer_.push_back(std::move(r));
     }
@@ -496,6 +414,10 @@ class ResultIterator {
     buffer_.pop_front();
     return out;
   }
+
+  /// Chunks a lazy imap keeps submitted ahead of the consumer (0 for an imap over a vector,
+  /// whose chunks were all submitted at once).
+  size_t window() const { return window_; }
 
   /// Range-for support: `for (int r : pool.imap(&Square, xs)) ...` (errors throw from ++).
   class iterator {
@@ -527,11 +449,55 @@ class ResultIterator {
  private:
   friend class Pool;
   ResultIterator(std::shared_ptr<internal::JobState> job, bool ordered)
-      : job_(std::move(job)), ordered_(ordered) {}
+      : job_(std::move(job)), ordered_(ordered), added_(job_->num_chunks()) {}
+  ResultIterator(std::shared_ptr<internal::JobState> job, bool ordered,
+                 std::unique_ptr<internal::LazyFeed> feed, internal::ChunkReader read,
+                 size_t window)
+      : job_(std::move(job)),
+        ordered_(ordered),
+        feed_(std::move(feed)),
+        read_(std::move(read)),
+        window_(window) {
+    TopUp();
+  }
+
+  // Lazy: reads and submits chunks until `window_` are ahead of the consumer or the input ends.
+  void TopUp() {
+    while (feed_ && added_ - cursor_ < window_) {
+      std::optional<std::pair<Message, size_t>> c;
+      try {
+        c = read_();
+        if (c) feed_->Submit(std::move(c->first), c->second);
+      } catch (...) {
+        input_error_ = std::current_exception();
+        c.reset();
+      }
+      if (!c) {
+        SealFeed();
+        return;
+      }
+      ++added_;
+    }
+  }
+  void SealFeed() {
+    if (!feed_) return;
+    try {
+      feed_->Seal();
+    } catch (...) {
+    }
+    feed_.reset();
+    read_ = nullptr;
+  }
+
   std::shared_ptr<internal::JobState> job_;
   bool ordered_;
   size_t cursor_ = 0;
   std::deque<R> buffer_;
+  std::unique_ptr<internal::LazyFeed> feed_;
+  internal::ChunkReader read_;
+  size_t window_ = 0;
+  size_t added_ = 0;
+  std::exception_ptr input_error_;
 };
 
 /// A pool of worker processes. See the file comment.
@@ -558,13 +524,24 @@ class Pool {
   /// map() without waiting.
   template <class F, class T>
   auto map_async(F&& fn, const std::vector<T>& inputs, int chunksize = 0) {
+    return map_async(std::forward<F>(fn), inputs, chunksize, Callbacks<std::nullptr_t>{});
+  }
+  /// map_async() whose result (or failure) goes to `callbacks` (see Callbacks).
+  template <class F, class T, class A, class B>
+  auto map_async(F&& fn, const std::vector<T>& inputs, Callbacks<A, B> callbacks) {
+    return map_async(std::forward<F>(fn), inputs, 0, std::move(callbacks));
+  }
+  template <class F, class T, class A, class B>
+  auto map_async(F&& fn, const std::vector<T>& inputs, int chunksize, Callbacks<A, B> callbacks) {
     using D = std::decay_t<F>;
     using W = typename internal::WireOf<D, T, false>::type;
     CheckSignature<D, W, false>();
     using R = typename internal::CallResult<D, W, false>::type;
-    return VectorResult<R>(SubmitChunks<W>("map", internal::MakeFnSpec<D, W, R, false>(
-                                                      std::forward<F>(fn)),
-                                           inputs, chunksize, true, true));
+    return Submit<std::vector<R>>(VectorAssembler<R>(), std::move(callbacks), [&](auto attach) {
+      return SubmitChunks<W>("map",
+                             internal::MakeFnSpec<D, W, R, false>(std::forward<F>(fn)), inputs,
+                             chunksize, ChunkRule::kPick, FailRule::kFailFast, attach);
+    });
   }
 
   /// fn(args...) for every tuple of inputs, in input order.
@@ -575,16 +552,30 @@ class Pool {
   /// starmap() without waiting.
   template <class F, class... Ts>
   auto starmap_async(F&& fn, const std::vector<std::tuple<Ts...>>& inputs, int chunksize = 0) {
+    return starmap_async(std::forward<F>(fn), inputs, chunksize, Callbacks<std::nullptr_t>{});
+  }
+  /// starmap_async() whose result (or failure) goes to `callbacks` (see Callbacks).
+  template <class F, class... Ts, class A, class B>
+  auto starmap_async(F&& fn, const std::vector<std::tuple<Ts...>>& inputs,
+                     Callbacks<A, B> callbacks) {
+    return starmap_async(std::forward<F>(fn), inputs, 0, std::move(callbacks));
+  }
+  template <class F, class... Ts, class A, class B>
+  auto starmap_async(F&& fn, const std::vector<std::tuple<Ts...>>& inputs, int chunksize,
+                     Callbacks<A, B> callbacks) {
     using D = std::decay_t<F>;
     using W = typename internal::WireOf<D, std::tuple<Ts...>, true>::type;
     CheckSignature<D, W, true>();
     using R = typename internal::CallResult<D, W, true>::type;
-    return VectorResult<R>(SubmitChunks<W>("starmap", internal::MakeFnSpec<D, W, R, true>(
-                                                          std::forward<F>(fn)),
-                                           inputs, chunksize, true, true));
+    return Submit<std::vector<R>>(VectorAssembler<R>(), std::move(callbacks), [&](auto attach) {
+      return SubmitChunks<W>("starmap",
+                             internal::MakeFnSpec<D, W, R, true>(std::forward<F>(fn)), inputs,
+                             chunksize, ChunkRule::kPick, FailRule::kFailFast, attach);
+    });
   }
 
-  /// Results of fn over inputs in input order, as they arrive. chunksize 0 means 1.
+  /// Results of fn over inputs in input order, as they arrive. chunksize 0 means 1. Every chunk
+  /// is submitted at once.
   template <class F, class T>
   auto imap(F&& fn, const std::vector<T>& inputs, int chunksize = 1) {
     return Iterate<F, T>(std::forward<F>(fn), inputs, chunksize, true);
@@ -594,30 +585,48 @@ class Pool {
   auto imap_unordered(F&& fn, const std::vector<T>& inputs, int chunksize = 1) {
     return Iterate<F, T>(std::forward<F>(fn), inputs, chunksize, false);
   }
+  /// imap over a generator, read lazily: `generator()` returns std::optional<T>, nullopt at the
+  /// end (it is not called again after that). The input is read on the thread that iterates,
+  /// never on the pool's: about 2 x processes() chunks are submitted ahead of the consumer at
+  /// most, so an unbounded input runs in bounded memory. A generator that throws ends the input
+  /// (see ResultIterator::next). The generator must outlive nothing: the iterator owns it.
+  template <class F, class G,
+            std::enable_if_t<internal::GeneratorTraits<std::decay_t<G>>::kIs, int> = 0>
+  auto imap(F&& fn, G&& generator, int chunksize = 1) {
+    return IterateLazy(std::forward<F>(fn), std::forward<G>(generator), chunksize, true);
+  }
+  template <class F, class G,
+            std::enable_if_t<internal::GeneratorTraits<std::decay_t<G>>::kIs, int> = 0>
+  auto imap_unordered(F&& fn, G&& generator, int chunksize = 1) {
+    return IterateLazy(std::forward<F>(fn), std::forward<G>(generator), chunksize, false);
+  }
+  /// imap over [first, last), read lazily as above (input iterators such as
+  /// std::istream_iterator work; the range must stay valid while the iterator reads it).
+  template <class F, class It, std::enable_if_t<internal::IsInputIterator<It>::value, int> = 0>
+  auto imap(F&& fn, It first, It last, int chunksize = 1) {
+    return IterateLazy(std::forward<F>(fn), RangeGenerator(first, last), chunksize, true);
+  }
+  template <class F, class It, std::enable_if_t<internal::IsInputIterator<It>::value, int> = 0>
+  auto imap_unordered(F&& fn, It first, It last, int chunksize = 1) {
+    return IterateLazy(std::forward<F>(fn), RangeGenerator(first, last), chunksize, false);
+  }
 
   /// fn(args...) in a worker; waits for the result.
   template <class F, class... Args>
   auto apply(F&& fn, Args&&... args) {
     return apply_async(std::forward<F>(fn), std::forward<Args>(args)...).get();
   }
-  /// fn(args...) in a worker, without waiting.
+  /// fn(args...) in a worker, without waiting. A Callbacks as the last argument receives the
+  /// result or the failure (see Callbacks): `pool.apply_async(&Add, 1, 2, Callbacks{on_sum})`.
   template <class F, class... Args>
   auto apply_async(F&& fn, Args&&... args) {
-    using D = std::decay_t<F>;
-    using W = typename internal::WireOf<D, std::tuple<std::decay_t<Args>...>, true>::type;
-    CheckSignature<D, W, true>();
-    using R = typename internal::CallResult<D, W, true>::type;
-    std::vector<W> one;
-    one.emplace_back(std::forward<Args>(args)...);
-    std::shared_ptr<internal::JobState> job = SubmitChunks<W>(
-        "apply_async", internal::MakeFnSpec<D, W, R, true>(std::forward<F>(fn)), one, 1, false,
-        true);
-    return AsyncResult<R>(std::move(job), [](internal::JobState& j) {
-      Message m = j.TakeResult(0);
-      std::vector<R> v = DecodeAs<std::vector<R>>(m);
-      if (v.size() != 1) ThrowBadResultCount(j, v.size());
-      return std::move(v[0]);
-    });
+    if constexpr (internal::LastIsCallbacks<Args...>::value) {
+      return ApplySplit(std::forward<F>(fn), std::forward_as_tuple(std::forward<Args>(args)...),
+                        std::make_index_sequence<sizeof...(Args) - 1>());
+    } else {
+      return ApplyWith(std::forward<F>(fn), Callbacks<std::nullptr_t>{},
+                       std::forward<Args>(args)...);
+    }
   }
 
   /// Stops intake: queued work still runs, then the workers exit (join() waits for that).
@@ -635,6 +644,8 @@ class Pool {
   const std::string& start_method() const;
   /// The pids of the current workers (a snapshot).
   std::vector<pid_t> pids() const;
+  /// Callbacks (see Callbacks) that threw so far; each was also reported on stderr.
+  uint64_t callback_failures() const;
 
   struct Impl;
 
@@ -657,12 +668,17 @@ class Pool {
     }
   }
 
+  enum class ChunkRule { kPick, kGiven };      // chunksize 0: pick one (map), or an error
+  enum class FailRule { kFailFast, kPerChunk };  // the first failure fails the call, or its chunk
+  using Attach = std::function<void(const std::shared_ptr<internal::JobState>&)>;
+
   template <class W, class T>
   std::shared_ptr<internal::JobState> SubmitChunks(const char* what, internal::FnSpec fn,
                                                    const std::vector<T>& inputs, int chunksize,
-                                                   bool is_map, bool fail_fast) {
+                                                   ChunkRule chunk_rule, FailRule fail_rule,
+                                                   const Attach& attach = nullptr) {
     CheckSubmit(what, fn);
-    const size_t cs = ChunkSize(what, inputs.size(), chunksize, is_map);
+    const size_t cs = ChunkSize(what, inputs.size(), chunksize, chunk_rule == ChunkRule::kPick);
     std::vector<Message> chunks;
     std::vector<size_t> sizes;
     for (size_t i = 0; i < inputs.size(); i += cs) {
@@ -673,7 +689,53 @@ class Pool {
       chunks.push_back(Encode(slice));
       sizes.push_back(end - i);
     }
-    return Enqueue(what, std::move(fn), std::move(chunks), std::move(sizes), fail_fast);
+    return Enqueue(what, std::move(fn), std::move(chunks), std::move(sizes),
+                   fail_rule == FailRule::kFailFast, attach);
+  }
+
+  // An AsyncResult<R> for what `submit(attach)` queues; with callbacks, `attach` sets the job's
+  // callback before any chunk is queued.
+  template <class R, class A, class B, class SubmitFn>
+  AsyncResult<R> Submit(std::function<R(internal::JobState&)> assemble, Callbacks<A, B> cbs,
+                        SubmitFn&& submit) {
+    if constexpr (std::is_same_v<A, std::nullptr_t> && std::is_same_v<B, std::nullptr_t>) {
+      return AsyncResult<R>(submit(Attach()), std::move(assemble));
+    } else {
+      AsyncResult<R> result(nullptr, std::move(assemble));
+      std::shared_ptr<typename AsyncResult<R>::State> state = result.state_;
+      submit(Attach([state, &cbs](const std::shared_ptr<internal::JobState>& job) {
+        state->job = job;
+        job->SetCallback(AsyncResult<R>::MakeCallback(state, std::move(cbs)));
+      }));
+      return result;
+    }
+  }
+
+  template <class F, class Tup, size_t... I>
+  auto ApplySplit(F&& fn, Tup&& args, std::index_sequence<I...>) {
+    return ApplyWith(std::forward<F>(fn), std::get<sizeof...(I)>(std::forward<Tup>(args)),
+                     std::get<I>(std::forward<Tup>(args))...);
+  }
+
+  template <class F, class A, class B, class... Args>
+  auto ApplyWith(F&& fn, Callbacks<A, B> cbs, Args&&... args) {
+    using D = std::decay_t<F>;
+    using W = typename internal::WireOf<D, std::tuple<std::decay_t<Args>...>, true>::type;
+    CheckSignature<D, W, true>();
+    using R = typename internal::CallResult<D, W, true>::type;
+    std::vector<W> one;
+    one.emplace_back(std::forward<Args>(args)...);
+    std::function<R(internal::JobState&)> assemble = [](internal::JobState& j) {
+      Message m = j.TakeResult(0);
+      std::vector<R> v = DecodeAs<std::vector<R>>(m);
+      if (v.size() != 1) ThrowBadResultCount(j, v.size());
+      return std::move(v[0]);
+    };
+    return Submit<R>(std::move(assemble), std::move(cbs), [&](auto attach) {
+      return SubmitChunks<W>("apply_async",
+                             internal::MakeFnSpec<D, W, R, true>(std::forward<F>(fn)), one, 1,
+                             ChunkRule::kGiven, FailRule::kFailFast, attach);
+    });
   }
 
   template <class F, class T>
@@ -686,13 +748,73 @@ class Pool {
     return ResultIterator<R>(
         SubmitChunks<W>(ordered ? "imap" : "imap_unordered",
                         internal::MakeFnSpec<D, W, R, false>(std::forward<F>(fn)), inputs,
-                        chunksize, false, false),
+                        chunksize, ChunkRule::kGiven, FailRule::kPerChunk),
         ordered);
   }
 
+  // A generator over [first, last).
+  template <class It>
+  static auto RangeGenerator(It first, It last) {
+    using T = typename std::iterator_traits<It>::value_type;
+    return [first, last]() mutable -> std::optional<T> {
+      if (first == last) return std::nullopt;
+      std::optional<T> v(*first);
+      ++first;
+      return v;
+    };
+  }
+
+  template <class F, class G>
+  auto IterateLazy(F&& fn, G&& generator, int chunksize, bool ordered) {
+    using Gen = std::decay_t<G>;
+    using T = typename internal::OptionalValue<
+        typename internal::GeneratorTraits<Gen>::Out>::type;
+    using D = std::decay_t<F>;
+    using W = typename internal::WireOf<D, T, false>::type;
+    CheckSignature<D, W, false>();
+    using R = typename internal::CallResult<D, W, false>::type;
+    const char* what = ordered ? "imap" : "imap_unordered";
+    if (chunksize == 0) chunksize = 1;
+    const size_t cs = ChunkSize(what, 0, chunksize, false);
+    auto job = std::make_shared<internal::JobState>(what, /*fail_fast=*/false);
+    std::unique_ptr<internal::LazyFeed> feed =
+        OpenFeed(what, internal::MakeFnSpec<D, W, R, false>(std::forward<F>(fn)), job);
+    struct Source {
+      Gen gen;
+      bool ended = false;
+      std::exception_ptr error;  // thrown by the generator after part of a chunk was read
+    };
+    auto src = std::make_shared<Source>(Source{Gen(std::forward<G>(generator)), false, nullptr});
+    internal::ChunkReader read = [src, cs]() -> std::optional<std::pair<Message, size_t>> {
+      if (src->error) std::rethrow_exception(std::exchange(src->error, nullptr));
+      std::vector<W> slice;
+      while (!src->ended && slice.size() < cs) {
+        std::optional<T> v;
+        try {
+          v = src->gen();
+        } catch (...) {
+          src->ended = true;
+          if (slice.empty()) throw;
+          src->error = std::current_exception();  // the inputs read before it still run
+          break;
+        }
+        if (!v) {
+          src->ended = true;
+          break;
+        }
+        slice.emplace_back(std::move(*v));
+      }
+      if (slice.empty()) return std::nullopt;
+      const size_t n = slice.size();
+      return std::make_pair(Encode(slice), n);
+    };
+    return ResultIterator<R>(std::move(job), ordered, std::move(feed), std::move(read),
+                             LazyWindow());
+  }
+
   template <class R>
-  static AsyncResult<std::vector<R>> VectorResult(std::shared_ptr<internal::JobState> job) {
-    return AsyncResult<std::vector<R>>(std::move(job), [](internal::JobState& j) {
+  static std::function<std::vector<R>(internal::JobState&)> VectorAssembler() {
+    return [](internal::JobState& j) {
       std::vector<R> out;
       for (size_t c = 0; c < j.num_chunks(); ++c) {
         Message m = j.TakeResult(c);
@@ -701,7 +823,7 @@ class Pool {
         for (R& r : part) out.push_back(std::move(r));
       }
       return out;
-    });
+    };
   }
 
   [[noreturn]] static void ThrowBadResultCount(const internal::JobState& job, size_t got);
@@ -709,7 +831,15 @@ class Pool {
   size_t ChunkSize(const char* what, size_t n, int chunksize, bool is_map) const;
   std::shared_ptr<internal::JobState> Enqueue(const char* what, internal::FnSpec fn,
                                               std::vector<Message> chunks,
-                                              std::vector<size_t> sizes, bool fail_fast);
+                                              std::vector<size_t> sizes, bool fail_fast,
+                                              const Attach& attach);
+  struct TaskSpec;
+  TaskSpec PrepareTaskLocked(internal::FnSpec& fn, internal::JobState& job);
+  // The feed of an open imap job (checks the call like CheckSubmit).
+  std::unique_ptr<internal::LazyFeed> OpenFeed(const char* what, internal::FnSpec fn,
+                                               std::shared_ptr<internal::JobState> job);
+  // Chunks a lazy imap keeps ahead of its consumer.
+  size_t LazyWindow() const;
 
   std::unique_ptr<Impl> impl_;
 };

@@ -65,7 +65,7 @@ struct QueueShared {
   // Descriptor batches shared by consecutive messages (see "Descriptor batches" below).
   uint64_t last_batch;       // sequence of the newest batch sent
   uint32_t last_batch_keys;  // how many (dev, inode, access mode) keys it has; 0: not shareable
-  uint32_t unused;
+  uint32_t max_item_bytes;    // QueueOptions::max_item_bytes (read clamped: see ItemLimit)
   uint64_t last_keys[kKeyWords * kBatchKeys];
   uint32_t batch_users[kMaxBatches];  // by sequence % kMaxBatches: committed messages not yet got
 };
@@ -353,6 +353,16 @@ class QueueLock {
 
 }  // namespace
 
+namespace {
+// The queue's item limit, as every process applies it: from shared memory, but never above
+// kMaxItemBytes whatever another process wrote there (0, from a header of an older layout, is
+// the default).
+size_t ItemLimit(const internal::QueueShared* h) {
+  const size_t v = __atomic_load_n(&h->max_item_bytes, __ATOMIC_RELAXED);
+  return v == 0 ? Queue::kMaxItemBytes : std::min(v, Queue::kMaxItemBytes);
+}
+}  // namespace
+
 Queue::Queue(int64_t maxsize) : Queue(QueueOptions{maxsize, QueueOptions{}.ring_bytes}) {}
 
 Queue::Queue(const QueueOptions& options) : state_(std::make_shared<State>()) {
@@ -363,6 +373,12 @@ Queue::Queue(const QueueOptions& options) : state_(std::make_shared<State>()) {
                 absl::StrCat("QueueOptions::ring_bytes must be in [", kMinRingBytes, ", ",
                              kMaxRingBytes, "] (4 KiB to 4 GiB), got ", options.ring_bytes,
                              "; items over a quarter of the ring travel out of band anyway"));
+  }
+  if (options.max_item_bytes < 1 || options.max_item_bytes > kMaxItemBytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                absl::StrCat("QueueOptions::max_item_bytes must be in [1, ", kMaxItemBytes,
+                             "] (1 byte to 1 GiB), got ", options.max_item_bytes,
+                             "; send larger data through shared memory (a shared tensor)"));
   }
   const size_t ring = runtime::internal::RoundUpOrThrow(options.ring_bytes, 8, "Queue");
   runtime::internal::CheckMemoryAvailable(sizeof(internal::QueueShared) + ring,
@@ -375,6 +391,7 @@ Queue::Queue(const QueueOptions& options) : state_(std::make_shared<State>()) {
   h->not_full.Init();
   h->all_done.Init();
   h->ring_bytes = ring;
+  h->max_item_bytes = static_cast<uint32_t>(options.max_item_bytes);
   state_->cap = ring;
   h->maxsize = options.maxsize;
   h->next_seq = 1;
@@ -414,11 +431,13 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
       block ? internal::DeadlineAfter(timeout, "Queue::put") : internal::Clock::now();
   internal::QueueShared* h = s.hdr();
   const uint64_t cap = s.cap;
-  if (msg.bytes.size() > kMaxItemBytes) {
+  const size_t limit = ItemLimit(h);
+  if (msg.bytes.size() > limit) {
     throw Error(ErrorCode::kInvalidArgument,
                 absl::StrCat("Queue::put: an item of ", msg.bytes.size(),
-                             " bytes exceeds the limit of ", kMaxItemBytes,
-                             " bytes; send large data through shared memory (a shared tensor)"));
+                             " bytes (encoded) exceeds the queue's limit of ", limit,
+                             " bytes (QueueOptions::max_item_bytes, at most 1 GiB); nothing was "
+                             "put. Send large data through shared memory (a shared tensor)"));
   }
   // Large payloads go out of band.
   bool spilled = false;
@@ -561,7 +580,7 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
   h->not_full.Broadcast();
   if (rec.spilled) {
     if (msg.fds.empty()) throw Error(ErrorCode::kInternal, "Queue::get: out-of-band item lost");
-    msg.bytes = internal::ReadSpilledPayload(msg.fds.back().get(), kMaxItemBytes);
+    msg.bytes = internal::ReadSpilledPayload(msg.fds.back().get(), ItemLimit(h));
     msg.fds.pop_back();
   }
   return msg;

@@ -54,7 +54,8 @@
 //   - What a reader takes from shared memory and the side socket is checked before use (records
 //     inside the committed bytes, descriptor counts, batch tags, the size and kind of an
 //     out-of-band item): a corrupted queue gives Error(kInvalidArgument), never a crash or an
-//     unbounded allocation. One item is at most kMaxItemBytes (1 GiB) encoded.
+//     unbounded allocation. One item is at most QueueOptions::max_item_bytes (1 GiB by default)
+//     encoded; a larger put() is Error(kInvalidArgument), and the queue goes on.
 //
 // Hazard: an unbounded Queue still has a finite ring (QueueOptions::ring_bytes, 1 MiB default):
 // when it is full of small messages that nobody gets, put() waits for space (or times out); so
@@ -102,6 +103,10 @@ struct QueueOptions {
   /// more than the memory available now is kResourceExhausted). Messages over a quarter of it go
   /// out of band.
   size_t ring_bytes = size_t{1} << 20;
+  /// Largest encoded item put() accepts and get() reads, 1 byte to Queue::kMaxItemBytes (1 GiB,
+  /// the default; else the constructor throws kInvalidArgument). Every process that uses the
+  /// queue applies the same limit.
+  size_t max_item_bytes = size_t{1} << 30;
 };
 
 namespace internal {
@@ -117,7 +122,7 @@ class Queue {
   /// An empty handle (for decoding into); using it throws kClosed.
   Queue(std::nullptr_t) {}
 
-  /// Largest encoded item put() accepts and get() reads (as Connection's default limit).
+  /// The most QueueOptions::max_item_bytes may be (as Connection's default limit).
   static constexpr size_t kMaxItemBytes = size_t{1} << 30;
 
   /// Puts `value`. With block, waits up to `timeout` for room; throws Full when there is none,

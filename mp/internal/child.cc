@@ -505,19 +505,20 @@ std::vector<char*> EnvironmentWith(const ChildEnvironment& env, std::vector<std:
   return out;
 }
 
-namespace {
 // The child's environment for the rest of its life, held by globals so that it stays reachable:
 // a target that leaves with exit() would otherwise have LeakSanitizer report the two vectors and
-// abort the child (SIGABRT where its own exit code was expected; CI's asan run).
-std::vector<std::string>* g_env_storage = nullptr;
-std::vector<char*>* g_env_array = nullptr;
-}  // namespace
+// abort the child (SIGABRT where its own exit code was expected; CI's asan run). External
+// linkage, so that the compiler cannot drop the stores as never read.
+extern std::vector<std::string>* g_child_env_storage;
+extern std::vector<char*>* g_child_env_array;
+std::vector<std::string>* g_child_env_storage = nullptr;
+std::vector<char*>* g_child_env_array = nullptr;
 
 void ApplyChildEnvironment(const ChildEnvironment& env) {
   if (env.empty()) return;
-  g_env_storage = new std::vector<std::string>;
-  g_env_array = new std::vector<char*>(EnvironmentWith(env, *g_env_storage));
-  environ = g_env_array->data();
+  g_child_env_storage = new std::vector<std::string>;
+  g_child_env_array = new std::vector<char*>(EnvironmentWith(env, *g_child_env_storage));
+  environ = g_child_env_array->data();
 }
 
 void RunChildBody(const std::function<void()>& target, Connection result, const std::string& name,

@@ -297,12 +297,16 @@ pid_t ForkServerRun(Message request) {
   ForgetServerIfDeadLocked(s);
   for (int attempt = 0;; ++attempt) {
     if (s.pid == 0) {
-      auto [ours, theirs] = Pipe(true);
       std::string secret = NewServerSecret();
-      FileDescriptor secret_pipe = SecretPipe(secret);
-      s.pid = SpawnExecutable(kServerFlag, theirs.fileno(), secret_pipe.get());
-      secret_pipe.reset();
-      theirs.close();
+      Connection ours;
+      {
+        SecretHandoff handoff(secret);  // no fork in between gets the pipe or the server's end
+        auto [mine, theirs] = Pipe(true);
+        handoff.Guard(theirs.fileno());
+        s.pid = SpawnExecutable(kServerFlag, theirs.fileno(), handoff.fd());
+        theirs.close();
+        ours = mine;
+      }
       s.requests = ours;
       SendServerHello(s.requests, secret);
       explicit_bzero(secret.data(), secret.size());

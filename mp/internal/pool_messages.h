@@ -4,7 +4,8 @@
 //   Parent -> worker: Encode(kind "task"|"exit", id, TaskFn, payload bytes), payload fds attached.
 //   Worker -> parent: Encode(kind, id, payload bytes), payload fds attached. Kinds: "ready" (id =
 //   pid), "init_failed" (payload ChildFailure), "done" (payload: encoded results), "error"
-//   (payload ChildFailure).
+//   (payload ChildFailure), "malformed" (payload ChildFailure: the worker could not decode a
+//   message from the pool, and leaves; the pool fails the chunk the worker held with it).
 // The decoders check the envelope only (Error(kInvalidArgument) when malformed); the pool decides
 // what an unknown kind means (a worker exits on anything but "task"; the parent ignores kinds it
 // does not expect).

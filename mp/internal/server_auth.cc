@@ -1,6 +1,8 @@
 #include "forksafe/mp/internal/server_auth.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -8,6 +10,7 @@
 #include <cstdio>
 
 #include "forksafe/mp/internal/child.h"
+#include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
 
 namespace forksafe::mp::internal {
@@ -42,6 +45,67 @@ FileDescriptor SecretPipe(const std::string& secret) {
     put += static_cast<size_t>(w);
   }
   return read_end;
+}
+
+namespace {
+
+// The handoff's state: its mutex is held by a live SecretHandoff and across every fork.
+struct Handoffs {
+  std::mutex mu;
+  // The files of the live handoff (the pipe, and what Guard() added), so that copies made by
+  // dup are found too.
+  int open = 0;
+  dev_t dev[2] = {0, 0};
+  ino_t ino[2] = {0, 0};
+};
+
+Handoffs& TheHandoffs() {
+  static Handoffs* h = [] {
+    auto* state = new Handoffs;  // lives for the process: a registration refers to its mutex
+    runtime::HoldAcrossFork(&state->mu, "mp secret pipes", [state] {
+      // The fork could not wait for a live handoff (its prepare gave up): close every copy of
+      // the secret pipe this child got. Async-signal-safe calls only.
+      if (!state->open) return;
+      struct rlimit rl;
+      int max_fd = 65536;
+      if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < static_cast<rlim_t>(max_fd)) {
+        max_fd = static_cast<int>(rl.rlim_cur);
+      }
+      for (int fd = 0; fd < max_fd; ++fd) {
+        struct stat st;
+        if (fstat(fd, &st) != 0) continue;
+        for (int i = 0; i < state->open; ++i) {
+          if (st.st_dev == state->dev[i] && st.st_ino == state->ino[i]) ::close(fd);
+        }
+      }
+      state->open = 0;
+    });
+    return state;
+  }();
+  return *h;
+}
+
+}  // namespace
+
+SecretHandoff::SecretHandoff(const std::string& secret) : lock_(TheHandoffs().mu) {
+  TheHandoffs().open = 0;
+  pipe_ = SecretPipe(secret);
+  Guard(pipe_.get());
+}
+
+void SecretHandoff::Guard(int fd) {
+  Handoffs& h = TheHandoffs();
+  struct stat st;
+  if (h.open < 2 && fstat(fd, &st) == 0) {
+    h.dev[h.open] = st.st_dev;
+    h.ino[h.open] = st.st_ino;
+    ++h.open;
+  }
+}
+
+SecretHandoff::~SecretHandoff() {
+  pipe_.reset();
+  TheHandoffs().open = 0;
 }
 
 std::string ReadInheritedSecret(int fd) {

@@ -24,6 +24,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <mutex>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -50,6 +51,30 @@ bool ConstantTimeEqual(const std::string& a, const std::string& b);
 
 /// A close-on-exec pipe read end from which `secret` can be read (the write end is closed).
 FileDescriptor SecretPipe(const std::string& secret);
+/// The secret pipe of a server about to be spawned, which no forked child of this process can
+/// inherit (a fork by another thread between SecretPipe() and the spawn would otherwise hand the
+/// child a readable secret; so would the server's end of its socket, where the hello arrives):
+/// while a handoff exists, fork() waits for it (runtime::HoldAcrossFork), and a fork that could
+/// not wait closes the pipe (and what Guard() added) in the child. One at a time in a process.
+/// Create it, spawn the server with fd(), let it go right after the spawn.
+class SecretHandoff {
+ public:
+  explicit SecretHandoff(const std::string& secret);
+  /// Closes the pipe, then lets forks proceed.
+  ~SecretHandoff();
+  SecretHandoff(const SecretHandoff&) = delete;
+  SecretHandoff& operator=(const SecretHandoff&) = delete;
+  /// The pipe's read end, for SpawnExecutable.
+  int fd() const { return pipe_.get(); }
+  /// Also keeps `fd`'s file (the server's end of its bootstrap socket, made after this handoff)
+  /// from forked children; the caller closes it before the handoff ends.
+  void Guard(int fd);
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+  FileDescriptor pipe_;
+};
+
 /// In a server: reads the secret from `fd` and closes it; "" when there is none.
 std::string ReadInheritedSecret(int fd);
 

@@ -487,6 +487,34 @@ void CheckHandle(const SharedBlock::Handle& h) {
   throw malformed("unknown segment kind");
 }
 
+// Builds the page tables of a newly mapped segment now, once, instead of one minor fault per page
+// at the first touch of every tensor (256 faults for a 1 MiB tensor), but only for the pages the
+// segment holds (its data extents, SEEK_DATA / SEEK_HOLE): a sparse segment from a peer (a huge
+// memfd never written) would otherwise be made resident whole, as MAP_POPULATE did. Our own
+// segments are fallocated, so they are one extent. At most kMaxPopulatedExtents extents; without
+// MADV_POPULATE_WRITE (Linux < 5.14) nothing is populated and pages fault in at first touch.
+static void PopulateHeldPages(char* base, int fd, size_t size) {
+#ifndef MADV_POPULATE_WRITE
+  constexpr int MADV_POPULATE_WRITE = 23;
+#endif
+  constexpr int kMaxPopulatedExtents = 64;
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  off_t pos = 0;
+  for (int n = 0; n < kMaxPopulatedExtents && static_cast<size_t>(pos) < size; ++n) {
+    const off_t data = lseek(fd, pos, SEEK_DATA);
+    if (data < 0) return;  // ENXIO: no data after pos (or no SEEK_DATA: nothing populated)
+    off_t hole = lseek(fd, data, SEEK_HOLE);
+    if (hole < 0 || static_cast<size_t>(hole) > size) hole = static_cast<off_t>(size);
+    const size_t from = static_cast<size_t>(data) / page * page;
+    const size_t to = static_cast<size_t>(hole);
+    if (to > from && madvise(base + from, to - from, MADV_POPULATE_WRITE) != 0 &&
+        errno == EINVAL) {
+      return;  // the kernel has no MADV_POPULATE_WRITE
+    }
+    pos = hole;
+  }
+}
+
 void CheckBlockPlacement(uint64_t offset, uint64_t size, uint64_t segment_size) {
   if (offset < kHeaderBytes + kBlockHeader || offset > segment_size ||
       size > segment_size - offset || offset % kAlign != 0) {
@@ -533,11 +561,10 @@ std::shared_ptr<SharedBlock> SharedArena::Import(SharedBlock::Handle h) {
       throw malformed("segment too small");
     }
     seg->size = static_cast<size_t>(st.st_size);
-    // MAP_POPULATE: build the page tables now, once per segment, instead of one minor fault per
-    // page at first touch of every tensor (256 faults for a 1 MiB tensor).
-    void* p = mmap(nullptr, seg->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    void* p = mmap(nullptr, seg->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) ThrowNoSpace(errno, seg->size, h.kind);
     seg->base = static_cast<char*>(p);
+    PopulateHeldPages(seg->base, fd, seg->size);
     if (seg->header()->magic != kSegmentMagic || seg->header()->id != h.segment_id) {
       throw malformed("not a forksafe segment");
     }

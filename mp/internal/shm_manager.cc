@@ -355,12 +355,16 @@ void ShmManagerTrack(const std::string& name) {
   std::lock_guard<std::mutex> lk(c.mu);
   try {
     if (c.pid == 0) {
-      auto [ours, theirs] = Pipe(true);
       std::string secret = NewServerSecret();
-      FileDescriptor secret_pipe = SecretPipe(secret);
-      c.pid = SpawnExecutable(kShmManagerFlag, theirs.fileno(), secret_pipe.get());
-      secret_pipe.reset();
-      theirs.close();
+      Connection ours;
+      {
+        SecretHandoff handoff(secret);  // no fork in between gets the pipe or the server's end
+        auto [mine, theirs] = Pipe(true);
+        handoff.Guard(theirs.fileno());
+        c.pid = SpawnExecutable(kShmManagerFlag, theirs.fileno(), handoff.fd());
+        theirs.close();
+        ours = mine;
+      }
       c.conn = ours;
       SendServerHello(c.conn, secret);
       explicit_bzero(secret.data(), secret.size());

@@ -26,6 +26,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
+#include <cerrno>
 #include <cstring>
 #include <chrono>
 #include <functional>
@@ -640,6 +642,69 @@ int KillCreatorsAtRandom() {
     shm_unlink(("/" + e).c_str());  // leave nothing for the next test
   }
   return clean ? 0 : 5;
+}
+
+// ---- SparseSegments: a peer's huge sparse memfd is not made resident by mapping it ----
+
+// Kilobytes of shared memory this process has resident (/proc/self/status, RssShmem).
+long RssShmemKb() {
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  long kb = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "RssShmem: %ld kB", &kb) == 1) break;
+  }
+  std::fclose(f);
+  return kb;
+}
+
+// A receiver (a spawned process: nothing of the segment is mapped there yet) imports a block of
+// the segment and reports how much its resident shared memory grew.
+void ImportAndMeasure(FileDescriptor& fd, uint64_t segment_id, uint64_t offset, uint64_t size,
+                      Queue report) {
+  internal::SharedBlock::Handle h;
+  h.kind = internal::SegmentKind::kMemfd;
+  h.fd = std::move(fd);
+  h.segment_id = segment_id;
+  h.offset = offset;
+  h.size = size;
+  const long before = RssShmemKb();
+  long grew = -1;
+  {
+    std::shared_ptr<internal::SharedBlock> b = internal::SharedArena::Get().Import(std::move(h));
+    grew = RssShmemKb() - before;
+    static_cast<volatile char*>(b->data())[0] = 1;  // usable: a page faults in on first touch
+  }
+  report.put(grew);
+}
+FORKSAFE_ENTRY_POINT(ImportAndMeasure);
+
+// A 256 MiB segment whose body was punched out (as a peer would send a huge sparse memfd) costs
+// the receiver only the pages the segment holds: it used to be mapped whole with MAP_POPULATE,
+// which allocated every hole (+262,144 kB here).
+TEST(SparseSegments, AReceiverMakesResidentOnlyThePagesASegmentHolds) {
+  constexpr size_t kBytes = size_t{256} << 20;
+  std::shared_ptr<internal::SharedBlock> b =
+      internal::SharedArena::Get().Allocate(kBytes, internal::SegmentKind::kMemfd, false);
+  internal::SharedBlock::Handle h = b->Export();
+  ASSERT_TRUE(h.fd);
+  struct stat st;
+  ASSERT_EQ(fstat(h.fd.get(), &st), 0);
+  constexpr off_t kKept = 1 << 20;  // the headers live in the first page
+  ASSERT_EQ(fallocate(h.fd.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, kKept,
+                      st.st_size - kKept), 0)
+      << strerror(errno);
+  Queue report;
+  Process p(ProcessOptions{"sparse-receiver", false, "spawn"}, &ImportAndMeasure,
+            FileDescriptor::Dup(h.fd.get()), h.segment_id, h.offset, uint64_t{4096}, report);
+  p.start();
+  ASSERT_TRUE(p.join(60s));
+  ASSERT_EQ(p.exitcode(), 0);
+  const long grew_kb = report.get<long>(true, 10.0);
+  EXPECT_GE(grew_kb, 0);
+  EXPECT_LT(grew_kb, 32 * 1024) << "mapping a sparse 256 MiB segment made " << grew_kb
+                                << " kB resident";
 }
 
 TEST(KilledCreators, SigkillAtRandomMomentsWhileCreatingSegmentsLeavesNothing) {

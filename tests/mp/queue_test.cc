@@ -115,6 +115,30 @@ void ConsumeImpatiently(Queue q, Queue results) {
 }
 FORKSAFE_ENTRY_POINT(ConsumeImpatiently);
 
+// The largest string whose encoding fits in `limit` bytes.
+size_t LargestStringWithin(size_t limit) {
+  size_t n = limit;
+  while (n > 0 && Encode(std::string(n, 'a')).bytes.size() > limit) --n;
+  return n;
+}
+
+constexpr size_t kSmallItemLimit = 4096;
+
+// Puts one item at the queue's item limit and one just over it; reports the second's error code
+// (-1: it was accepted).
+void PutAtAndOverTheLimit(Queue q, Queue report) {
+  const size_t n = LargestStringWithin(kSmallItemLimit);
+  q.put(std::string(n, 'a'));
+  int code = -1;
+  try {
+    q.put(std::string(n + 1, 'b'));
+  } catch (const Error& e) {
+    code = static_cast<int>(e.code());
+  }
+  report.put(code);
+}
+FORKSAFE_ENTRY_POINT(PutAtAndOverTheLimit);
+
 class QueueAcrossProcesses : public ::testing::TestWithParam<std::string> {
  protected:
   ProcessOptions Opt() { return ProcessOptions{"", false, GetParam()}; }
@@ -224,6 +248,47 @@ TEST_P(QueueAcrossProcesses, JoinableQueueTaskDoneAndJoin) {
     FAIL();
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kFailedPrecondition);
+  }
+}
+
+// QueueOptions::max_item_bytes: the put-side limit (1 GiB by default) made small enough to test,
+// applied by a child that received the queue (every start method); the over-limit put is refused
+// whole and the queue goes on. Items over a quarter of the 4 KiB ring travel out of band.
+TEST_P(QueueAcrossProcesses, TheItemLimitHoldsInEveryProcessAndARefusedPutLeavesNoTrace) {
+  QueueOptions o;
+  o.ring_bytes = 4096;
+  o.max_item_bytes = kSmallItemLimit;
+  Queue q(o);
+  Queue report;
+  Process p(Opt(), &PutAtAndOverTheLimit, q, report);
+  p.start();
+  ASSERT_TRUE(p.join(30s));
+  EXPECT_EQ(p.exitcode(), 0);
+  EXPECT_EQ(report.get<int>(true, 10.0), static_cast<int>(ErrorCode::kInvalidArgument));
+  EXPECT_EQ(q.get<std::string>(true, 10.0).size(), LargestStringWithin(kSmallItemLimit));
+  EXPECT_TRUE(q.empty());
+  try {
+    q.put(std::string(kSmallItemLimit, 'c'));
+    FAIL() << "an item over max_item_bytes was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("max_item_bytes"), std::string::npos) << e.what();
+  }
+  q.put(std::string("after"));
+  EXPECT_EQ(q.get<std::string>(true, 10.0), "after");
+}
+
+TEST(QueueFaultTest, AnItemLimitOutsideOneByteToOneGiBIsRefused) {
+  for (size_t bad : {size_t{0}, Queue::kMaxItemBytes + 1}) {
+    QueueOptions o;
+    o.max_item_bytes = bad;
+    try {
+      Queue q(o);
+      FAIL() << bad;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("max_item_bytes"), std::string::npos) << e.what();
+    }
   }
 }
 

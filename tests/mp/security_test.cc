@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -216,6 +217,48 @@ TEST(SecurityNamesTest, AForkedChildDoesNotRepeatItsParentsNames) {
   const std::string my_random = NameOf(mine).substr(SharedArena::NamePrefix().size());
   EXPECT_EQ(child_random.size(), 32u);
   EXPECT_NE(child_random, my_random);
+}
+
+// A fork by another thread while a server's secret pipe exists (between its creation and the
+// server's spawn) never hands the child a copy of it, nor of the server's end of its socket:
+// held for 0.3 s, the fork waits for the handoff to end; held past the fork's 3 s prepare
+// deadline, the fork goes on and the child closes every copy (dups included) before it runs.
+void ExpectNoChildGetsAHandoff(std::chrono::milliseconds held) {
+  std::atomic<bool> made{false};
+  struct stat pipe_st {}, socket_st {};
+  std::thread holder([&] {
+    internal::SecretHandoff handoff(std::string(internal::kSecretBytes, 's'));
+    auto [mine, theirs] = Pipe(true);
+    handoff.Guard(theirs.fileno());
+    FileDescriptor dup_of_pipe = FileDescriptor::Dup(handoff.fd());  // as SpawnExecutable does
+    fstat(handoff.fd(), &pipe_st);
+    fstat(theirs.fileno(), &socket_st);
+    made = true;
+    std::this_thread::sleep_for(held);
+  });
+  for (int i = 0; i < 2000 && !made; ++i) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(made);
+  forksafe::testing::ChildResult r = forksafe::testing::RunInChild(
+      [&] {
+        for (int fd = 0; fd < 4096; ++fd) {
+          struct stat st;
+          if (fstat(fd, &st) != 0) continue;
+          if ((st.st_dev == pipe_st.st_dev && st.st_ino == pipe_st.st_ino) ||
+              (st.st_dev == socket_st.st_dev && st.st_ino == socket_st.st_ino)) {
+            return 3;  // the child holds the secret pipe or the server's socket end
+          }
+        }
+        return 0;
+      },
+      30s);
+  holder.join();
+  EXPECT_TRUE(r.ok()) << r.Describe() << " (held " << held.count() << " ms)";
+}
+
+TEST(ServerAuthTest, AForkWaitsForASecretHandoffToEnd) { ExpectNoChildGetsAHandoff(300ms); }
+
+TEST(ServerAuthTest, AForkThatCannotWaitClosesTheHandoffInTheChild) {
+  ExpectNoChildGetsAHandoff(4000ms);
 }
 
 // ---- (c) servers refuse connections without their secret ----
