@@ -297,19 +297,7 @@ pid_t ForkServerRun(Message request) {
   ForgetServerIfDeadLocked(s);
   for (int attempt = 0;; ++attempt) {
     if (s.pid == 0) {
-      std::string secret = NewServerSecret();
-      Connection ours;
-      {
-        SecretHandoff handoff(secret);  // no fork in between gets the pipe or the server's end
-        auto [mine, theirs] = Pipe(true);
-        handoff.Guard(theirs.fileno());
-        s.pid = SpawnExecutable(kServerFlag, theirs.fileno(), handoff.fd());
-        theirs.close();
-        ours = mine;
-      }
-      s.requests = ours;
-      SendServerHello(s.requests, secret);
-      explicit_bzero(secret.data(), secret.size());
+      s.requests = SpawnServer(kServerFlag, &s.pid);
     }
     try {
       s.requests.SendMessage(request);

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 
 #include "forksafe/mp/internal/child.h"
 #include "forksafe/runtime/at_fork.h"
@@ -106,6 +107,22 @@ void SecretHandoff::Guard(int fd) {
 SecretHandoff::~SecretHandoff() {
   pipe_.reset();
   TheHandoffs().open = 0;
+}
+
+Connection SpawnServer(const char* flag, pid_t* pid) {
+  std::string secret = NewServerSecret();
+  Connection ours;
+  {
+    SecretHandoff handoff(secret);  // no fork in between gets the pipe or the server's end
+    auto [mine, theirs] = Pipe(true);
+    handoff.Guard(theirs.fileno());
+    *pid = SpawnExecutable(flag, theirs.fileno(), handoff.fd());
+    theirs.close();
+    ours = mine;
+  }
+  SendServerHello(ours, secret);
+  explicit_bzero(secret.data(), secret.size());
+  return ours;
 }
 
 std::string ReadInheritedSecret(int fd) {

@@ -355,19 +355,7 @@ void ShmManagerTrack(const std::string& name) {
   std::lock_guard<std::mutex> lk(c.mu);
   try {
     if (c.pid == 0) {
-      std::string secret = NewServerSecret();
-      Connection ours;
-      {
-        SecretHandoff handoff(secret);  // no fork in between gets the pipe or the server's end
-        auto [mine, theirs] = Pipe(true);
-        handoff.Guard(theirs.fileno());
-        c.pid = SpawnExecutable(kShmManagerFlag, theirs.fileno(), handoff.fd());
-        theirs.close();
-        ours = mine;
-      }
-      c.conn = ours;
-      SendServerHello(c.conn, secret);
-      explicit_bzero(secret.data(), secret.size());
+      c.conn = SpawnServer(kShmManagerFlag, &c.pid);
     }
     c.conn.send(std::string("track"), name.substr(1));  // without the leading '/'
   } catch (const std::exception& e) {
