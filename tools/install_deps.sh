@@ -15,6 +15,7 @@ PACKAGES=(
   libcereal-dev      # cereal 1.3: the value codec of mp/
   clang-14           # tools/fuzz.sh: the fuzz targets are built with clang
   libclang-rt-14-dev # tools/fuzz.sh: libFuzzer and the sanitizer runtimes
+  clang-format-14    # tools/format.sh: the house format (.clang-format), checked by CI
   libomp-dev         # LLVM's OpenMP runtime: //tests/runtime:openmp_dlopen_llvm_test
   cmake              # tools/install.sh (the CMake package's version file), tools/consumers.sh
   pkgconf            # pkg-config: tools/consumers.sh builds a consumer with it

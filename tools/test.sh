@@ -7,7 +7,8 @@
 # tests (tests/soak, tagged manual; see tools/soak.sh) run too, at that fraction of full size;
 # with FORKSAFE_FUZZ_SECONDS=30 each fuzz target (tools/fuzz.sh) runs 30 s. After the plain
 # suite, the package's four consumers are built and run (tools/consumers.sh; each counts as one
-# test); FORKSAFE_CONSUMERS=0 skips them.
+# test); FORKSAFE_CONSUMERS=0 skips them. FORKSAFE_STATIC_CHECKS=1 adds the format check and the
+# thread-safety build (clang-14), one test each.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh || exit 1
@@ -107,6 +108,22 @@ if [ "${FORKSAFE_CONSUMERS:-1}" != 0 ]; then
     fi
   fi
   passed=$((passed + consumers_passed)); failed=$((failed + consumers_failed))
+fi
+
+# With FORKSAFE_STATIC_CHECKS=1 (CI) two checks that build no test: the house format
+# (tools/format.sh --check) and the library built with clang-14 -Wthread-safety -Werror
+# (tools/thread_safety.sh). Each counts as one test.
+if [ "${FORKSAFE_STATIC_CHECKS:-0}" = 1 ]; then
+  for check in "format.sh --check" "thread_safety.sh"; do
+    echo "=== bash tools/$check"
+    # shellcheck disable=SC2086
+    if bash tools/$check 2>&1 | tee "$log"; then
+      passed=$((passed + 1))
+    else
+      failed=$((failed + 1)); status=1
+      failed_list+=("tools/$check: $(grep -E 'FAILED|findings?' "$log" | head -1)")
+    fi
+  done
 fi
 
 for config in ${FORKSAFE_SANITIZERS:-}; do
