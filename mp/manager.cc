@@ -82,7 +82,7 @@ bool Flag(const internal::ManagerReply& r) { return r.ints.at(0) != 0; }
 
 struct Manager::Impl {
   std::string name;
-  std::string method;
+  StartMethod method;
   std::shared_ptr<const internal::ManagerAddress> addr;
   std::unique_ptr<Process> proc;
   Connection ctl;
@@ -93,7 +93,7 @@ struct Manager::Impl {
 Manager::Manager(ManagerOptions options) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.name = options.name.empty() ? absl::StrCat("Manager-", ++g_manager_counter) : options.name;
-  m.method = options.start_method.empty() ? get_start_method() : options.start_method;
+  m.method = options.start_method.Resolved();
   const auto start_wait = internal::CheckedWait(options.start_timeout, "Manager: start_timeout");
   auto addr = std::make_shared<internal::ManagerAddress>();
   addr->socket_name = absl::StrCat(
@@ -122,8 +122,8 @@ Manager::Manager(ManagerOptions options) : impl_(std::make_unique<Impl>()) {
     m.ctl.close();
     m.proc->kill();
     m.proc->join(5.0);
-    throw Error(code, absl::StrCat("Manager '", m.name, "' (start method ", m.method, ", pid ",
-                                   addr->pid, ") did not start: ", why));
+    throw Error(code, absl::StrCat("Manager '", m.name, "' (start method ", m.method.name(),
+                                   ", pid ", addr->pid, ") did not start: ", why));
   };
   std::string status, detail;
   try {
@@ -189,7 +189,7 @@ const std::string& Manager::name() const {
   return impl_ ? impl_->name : empty;
 }
 
-std::string Manager::start_method() const { return impl_ ? impl_->method : std::string(); }
+StartMethod Manager::start_method() const { return impl_ ? impl_->method : StartMethod(); }
 
 internal::ProxyBase Manager::Create(internal::ManagedKind kind, std::vector<int64_t> ints,
                                     std::vector<std::string> blobs) {

@@ -89,6 +89,7 @@
 #include <vector>
 
 #include "forksafe/mp/manager_proxies.h"
+#include "forksafe/mp/start_method.h"
 #include "forksafe/mp/timeout.h"
 
 namespace forksafe::mp {
@@ -96,7 +97,7 @@ namespace forksafe::mp {
 /// How to start a Manager.
 struct ManagerOptions {
   std::string name;          ///< Default "Manager-N".
-  std::string start_method;  ///< "" means get_start_method().
+  StartMethod start_method;  ///< kDefault ("") means get_start_method().
   /// How long the constructor waits for the manager process to listen.
   Timeout start_timeout = 60.0;
 };
@@ -122,7 +123,8 @@ class Manager {
   /// The manager process's pid.
   pid_t pid() const;
   const std::string& name() const;
-  std::string start_method() const;
+  /// The start method of the manager process (kDefault once moved from).
+  StartMethod start_method() const;
 
   /// A new dict holding `contents`.
   template <class K, class V>

@@ -12,7 +12,6 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -21,6 +20,7 @@
 #include "forksafe/mp/internal/server_auth.h"
 #include "forksafe/mp/internal/shm_sync.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/mutex.h"
 
 extern char** environ;
 
@@ -33,43 +33,36 @@ using runtime::ErrorCode;
 
 namespace {
 
-std::mutex g_method_mu;
-std::string g_method;  // "" = not set (default fork)
+runtime::internal::Mutex g_method_mu;
+StartMethod g_method ABSL_GUARDED_BY(g_method_mu);  // kDefault = not set (default fork)
 std::atomic<int> g_process_counter{0};
-
-void CheckMethod(const std::string& m) {
-  if (m == "fork" || m == "spawn" || m == "forkserver") return;
-  throw Error(ErrorCode::kInvalidArgument,
-              absl::StrCat("unknown start method \"", m,
-                           "\"; valid start methods are: fork, spawn, forkserver"));
-}
 
 }  // namespace
 
 std::vector<std::string> get_all_start_methods() { return {"fork", "spawn", "forkserver"}; }
 
-std::string get_start_method() {
-  std::lock_guard<std::mutex> lk(g_method_mu);
-  return g_method.empty() ? "fork" : g_method;
+StartMethod get_start_method() {
+  runtime::internal::MutexLock lk(&g_method_mu);
+  return g_method.is_default() ? StartMethod::kFork : g_method;
 }
 
-void set_start_method(const std::string& method, bool force) {
-  CheckMethod(method);
-  std::lock_guard<std::mutex> lk(g_method_mu);
-  if (!g_method.empty() && !force && g_method != method) {
+void set_start_method(StartMethod method, bool force) {
+  if (method.is_default()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "set_start_method needs a start method; valid start methods are: fork, spawn, "
+                "forkserver");
+  }
+  runtime::internal::MutexLock lk(&g_method_mu);
+  if (!g_method.is_default() && !force && g_method != method) {
     throw Error(ErrorCode::kFailedPrecondition,
-                absl::StrCat("the start method was already set to \"", g_method,
-                             "\"; pass force=true to change it, or use get_context(\"", method,
-                             "\") for one process"));
+                absl::StrCat("the start method was already set to \"", g_method.name(),
+                             "\"; pass force=true to change it, or use get_context(\"",
+                             method.name(), "\") for one process"));
   }
   g_method = method;
 }
 
-Context get_context(const std::string& method) {
-  if (method.empty()) return Context(get_start_method());
-  CheckMethod(method);
-  return Context(method);
-}
+Context get_context(StartMethod method) { return Context(method.Resolved()); }
 
 std::string SignalName(int sig) {
   const char* abbrev = sigabbrev_np(sig);
@@ -138,7 +131,7 @@ struct Process::Impl {
   std::function<Message()> encode_args;
 
   enum class State { kNew, kStarted, kExited, kClosed } state = State::kNew;
-  std::string method;
+  StartMethod method;  // resolved at start() (never kDefault afterwards)
   pid_t pid = 0;
   pid_t owner = 0;       // the process that started it
   FileDescriptor pidfd;  // waits without polling (fork and spawn), where the kernel has pidfds
@@ -260,7 +253,7 @@ struct Process::Impl {
   // the pidfd (or in short, growing naps where there is none): never spins.
   bool Wait(internal::Deadline deadline) {
     if (state == State::kExited) return true;
-    if (method == "forkserver") return WaitForkServer(deadline);
+    if (method == StartMethod::kForkServer) return WaitForkServer(deadline);
     auto nap = std::chrono::microseconds(50);
     bool woke = false;
     for (;;) {
@@ -297,7 +290,7 @@ struct Process::Impl {
   }
 
   std::string UnknownStatusMessage() const {
-    if (method == "forkserver") {
+    if (method == StartMethod::kForkServer) {
       return absl::StrCat(
           "process \"", options.name, "\" (pid ", pid,
           ") has exited, but its exit status is lost: the fork server that started it died "
@@ -318,7 +311,7 @@ struct Process::Impl {
   void Signal(int sig) {
     if (state != State::kStarted) return;
     CheckOwner("terminate/kill");
-    if (method == "forkserver") {
+    if (method == StartMethod::kForkServer) {
       ReadReports(internal::Clock::now());
       if (server_reported_exit) return;  // its pid may already be someone else's
       ::kill(pid, sig);
@@ -351,7 +344,7 @@ struct Process::Impl {
       throw Error(ErrorCode::kInvalidArgument,
                   absl::StrCat("process \"", options.name,
                                "\": only free functions registered with FORKSAFE_ENTRY_POINT can "
-                               "run under the \"", method,
+                               "run under the \"", method.name(),
                                "\" start method (lambdas and functors work only with \"fork\")"));
     }
     const std::string entry = internal::EntryPointName(fn);
@@ -360,7 +353,7 @@ struct Process::Impl {
                   absl::StrCat("process \"", options.name,
                                "\": its target function is not registered; add "
                                "FORKSAFE_ENTRY_POINT(<function name>) at namespace scope so that "
-                               "the \"", method, "\" start method can find it by name"));
+                               "the \"", method.name(), "\" start method can find it by name"));
     }
     if (!encode_args) {
       throw Error(ErrorCode::kInvalidArgument,
@@ -371,7 +364,7 @@ struct Process::Impl {
     Message args = encode_args();
     FileDescriptor lifeline = internal::LifelineReadEnd();
     auto [parent_end, child_end] = Pipe(true);
-    if (method == "spawn") {
+    if (method == StartMethod::kSpawn) {
       // Everything that can run out of descriptors happens before the child exists.
       Message request =
           internal::EncodeRunRequest(entry, options.name, std::move(args), -1, lifeline.get(),
@@ -450,11 +443,10 @@ void Process::start() {
                 absl::StrCat("process \"", p.options.name, "\" was already started (pid ", p.pid,
                              "); a Process can be started only once"));
   }
-  p.method = p.options.start_method.empty() ? get_start_method() : p.options.start_method;
-  CheckMethod(p.method);
+  p.method = p.options.start_method.Resolved();
   internal::CheckChildEnvironment(p.options.env, p.options.name);
   try {
-    if (p.method == "fork") {
+    if (p.method == StartMethod::kFork) {
       p.StartFork();
     } else {
       p.StartSpawn();
@@ -472,7 +464,7 @@ void Process::start() {
   }
   p.owner = getpid();
   p.state = Impl::State::kStarted;
-  if (p.method != "forkserver") {
+  if (p.method != StartMethod::kForkServer) {
     const long fd = syscall(SYS_pidfd_open, p.pid, 0);
     if (fd >= 0) {
       fcntl(static_cast<int>(fd), F_SETFD, FD_CLOEXEC);
@@ -552,21 +544,21 @@ int Process::report_fd() const {
 
 int Process::wait_fd() const {
   if (impl_->state != Impl::State::kStarted) return -1;
-  return impl_->method == "forkserver" ? impl_->result.fileno() : impl_->pidfd.get();
+  return impl_->method == StartMethod::kForkServer ? impl_->result.fileno() : impl_->pidfd.get();
 }
 
 const std::string& Process::name() const { return impl_->options.name; }
 bool Process::daemon() const { return impl_->options.daemon; }
-std::string Process::start_method() const {
-  if (!impl_->method.empty()) return impl_->method;
-  return impl_->options.start_method.empty() ? get_start_method() : impl_->options.start_method;
+StartMethod Process::start_method() const {
+  if (!impl_->method.is_default()) return impl_->method;
+  return impl_->options.start_method.Resolved();
 }
 
 std::optional<ChildFailure> Process::failure() {
   Impl& p = *impl_;
   // Reaps and reads the reports if it has exited (after close(): what was recorded).
   if (p.state == Impl::State::kStarted && p.owner == getpid()) p.Wait(internal::Clock::now());
-  if (!p.failure && p.state == Impl::State::kExited && !p.said_hello && p.method == "spawn" &&
+  if (!p.failure && p.state == Impl::State::kExited && !p.said_hello && p.method == StartMethod::kSpawn &&
       p.status_known && WIFEXITED(p.wait_status)) {
     return ChildFailure{"forksafe::mp::SpawnError",
                         "the spawned child never reached forksafe::mp::InitMain(); call it first "

@@ -84,6 +84,7 @@
 #include "forksafe/mp/codec.h"
 #include "forksafe/mp/connection.h"
 #include "forksafe/mp/entry_point.h"
+#include "forksafe/mp/start_method.h"
 
 namespace forksafe::mp {
 
@@ -91,19 +92,20 @@ namespace forksafe::mp {
 /// other process. Call it first thing in main() of programs that use "spawn" or "forkserver".
 void InitMain(int argc, char** argv);
 
-/// {"fork", "spawn", "forkserver"}.
+/// {"fork", "spawn", "forkserver"}: the names StartMethod accepts.
 std::vector<std::string> get_all_start_methods();
-/// The process-wide default start method ("fork" unless set).
-std::string get_start_method();
-/// Sets the default start method. Throws kInvalidArgument for an unknown name (listing the valid
-/// ones) and kFailedPrecondition when it was already set, unless `force`.
-void set_start_method(const std::string& method, bool force = false);
+/// The process-wide default start method (fork unless set); never StartMethod::kDefault.
+StartMethod get_start_method();
+/// Sets the default start method (a name converts: set_start_method("spawn")). Throws
+/// kInvalidArgument for an unknown name (listing the valid ones) or for kDefault (""), and
+/// kFailedPrecondition when it was already set to another method, unless `force`.
+void set_start_method(StartMethod method, bool force = false);
 
 /// How to start a Process.
 struct ProcessOptions {
   std::string name;          ///< Default "Process-N".
   bool daemon = false;       ///< Terminated, not waited for, when the Process is destroyed.
-  std::string start_method;  ///< "" means get_start_method().
+  StartMethod start_method;  ///< kDefault ("") means get_start_method().
   /// Environment variables set in the child before its target runs (name, value), under every
   /// start method (mp::spawn() gives its children torchrun's variables this way). The parent's
   /// environment is not touched. Names must be non-empty and hold no '='. Under "spawn" the new
@@ -193,8 +195,8 @@ class Process {
 
   const std::string& name() const;
   bool daemon() const;
-  /// The start method used (or to be used).
-  std::string start_method() const;
+  /// The start method used (or to be used): never kDefault.
+  StartMethod start_method() const;
   /// The exception the target threw, once the process exited (nullopt if it did not throw).
   std::optional<ChildFailure> failure();
 
@@ -251,8 +253,9 @@ class Process {
 /// A start method bound to a name, as returned by get_context() (Python's context objects).
 class Context {
  public:
-  explicit Context(std::string method) : method_(std::move(method)) {}
-  const std::string& start_method() const { return method_; }
+  explicit Context(StartMethod method) : method_(method.Resolved()) {}
+  /// The method (never kDefault).
+  StartMethod start_method() const { return method_; }
   /// ProcessOptions with this context's start method.
   ProcessOptions options(std::string name = "", bool daemon = false) const {
     return ProcessOptions{std::move(name), daemon, method_};
@@ -264,11 +267,12 @@ class Context {
   }
 
  private:
-  std::string method_;
+  StartMethod method_;
 };
 
-/// The context of `method` ("" = the default). Throws kInvalidArgument for an unknown name.
-Context get_context(const std::string& method = "");
+/// The context of `method` (kDefault or "": get_start_method() now). A name converts; an unknown
+/// one throws kInvalidArgument.
+Context get_context(StartMethod method = StartMethod::kDefault);
 
 /// The name of a signal ("SIGSEGV") and its description ("Segmentation fault").
 std::string SignalName(int sig);

@@ -87,7 +87,7 @@ struct SpawnOptions {
   int nprocs = 1;
   bool join = true;
   bool daemon = false;
-  std::string start_method = "spawn";
+  StartMethod start_method = StartMethod::kSpawn;
   /// After a failure, how long the others get between SIGTERM and SIGKILL.
   std::chrono::duration<double> grace_period = std::chrono::seconds(3);
   /// Gives each child torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...; the nesting rule

@@ -13,13 +13,14 @@
 #include "forksafe/mp/internal/child.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/random.h"
 
 namespace forksafe::mp::internal {
 namespace {
 std::atomic<uint64_t> g_refused{0};
 }  // namespace
 
-std::string NewServerSecret() { return RandomBytes(kSecretBytes); }
+std::string NewServerSecret() { return runtime::internal::RandomBytes(kSecretBytes); }
 
 bool ConstantTimeEqual(const std::string& a, const std::string& b) {
   if (a.size() != b.size()) return false;

@@ -23,6 +23,7 @@
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/kept_resources.h"
 #include "forksafe/runtime/internal/memory_bounds.h"
+#include "forksafe/runtime/internal/random.h"
 
 namespace forksafe::mp::internal {
 namespace {
@@ -43,9 +44,6 @@ struct BlockHeader {
   std::atomic<int32_t> refs;
   uint64_t size;  // usable bytes after the header
 };
-
-// Checked (runtime/internal/memory_bounds.h): never wraps to a tiny segment.
-size_t RoundUp(size_t n, size_t a) { return runtime::internal::RoundUpOrThrow(n, a, "shared memory"); }
 
 // Size classes: powers of two from 64 B, then 1 MiB steps... keep it simple: powers of two.
 size_t SizeClass(size_t n) {
@@ -162,7 +160,7 @@ std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind, uint32_t f
     }
     // 128 bits from getrandom(): not guessable, and a forked child does not repeat its
     // parent's sequence (a seeded generator copied by fork() would).
-    seg->name = absl::StrCat(SharedArena::NamePrefix(), RandomHex128());
+    seg->name = absl::StrCat(SharedArena::NamePrefix(), runtime::internal::RandomHex128());
     // The manager learns the name before it exists: a SIGKILL at any moment from here on leaves
     // nothing behind (the manager removes it, or finds it never was).
     ShmManagerTrack(seg->name);
@@ -184,7 +182,8 @@ std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind, uint32_t f
   seg->base = static_cast<char*>(p);  // zero-filled: no references, no carriers
   struct stat st;
   fstat(fd, &st);
-  seg->id = kind == SegmentKind::kMemfd ? static_cast<uint64_t>(st.st_ino) : RandomU64();
+  seg->id = kind == SegmentKind::kMemfd ? static_cast<uint64_t>(st.st_ino)
+                                        : runtime::internal::RandomId();
   SegmentHeader* h = seg->header();
   h->magic = kSegmentMagic;
   h->size = size;
@@ -437,7 +436,8 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
     }
     // 4. A new segment, twice the size of the last (up to a cap). The size grows only when a
     //    segment was made: a failed attempt never makes the next one bigger.
-    const size_t least = RoundUp(kHeaderBytes + need, 4096);
+    const size_t least =
+        runtime::internal::RoundUpOrThrow(kHeaderBytes + need, 4096, "shared memory");
     size_t seg_size = std::max(a.next_segment, least);
     auto seg = CreateWithRecovery(a, lk, seg_size, least, kind, 0);
     a.next_segment = std::min(std::max(a.next_segment, seg_size) * 2, kMaxSegment);
@@ -453,7 +453,8 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
     return make(seg, off);
   }
   // A dedicated segment (large block, or caching disabled).
-  size_t seg_size = RoundUp(kHeaderBytes + kBlockHeader + std::max<size_t>(bytes, 1), 4096);
+  size_t seg_size = runtime::internal::RoundUpOrThrow(
+      kHeaderBytes + kBlockHeader + std::max<size_t>(bytes, 1), 4096, "shared memory");
   auto seg = CreateWithRecovery(a, lk, seg_size, seg_size, kind, kSegmentDedicated);
   seg->dedicated = true;
   ++a.stats.segments_created;

@@ -1,7 +1,6 @@
 #include "forksafe/mp/internal/shared_segment.h"
 
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,7 +8,6 @@
 #include <cstring>
 #include <string>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "forksafe/runtime/error.h"
 
@@ -25,29 +23,6 @@ int PrivateMemfd(const char* name) {
     return -1;
   }
   return fd;
-}
-
-std::string RandomBytes(size_t n) {
-  std::string out(n, '\0');
-  size_t got = 0;
-  while (got < n) {
-    const ssize_t r = getrandom(out.data() + got, n - got, 0);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      runtime::ThrowSystemError("getrandom", errno);
-    }
-    got += static_cast<size_t>(r);
-  }
-  return out;
-}
-
-std::string RandomHex128() { return absl::BytesToHexString(RandomBytes(16)); }
-
-uint64_t RandomU64() {
-  const std::string b = RandomBytes(sizeof(uint64_t));
-  uint64_t v;
-  std::memcpy(&v, b.data(), sizeof(v));
-  return v;
 }
 
 namespace {

@@ -1,7 +1,8 @@
 // mp/internal/shared_segment.h: NOT FOR USERS. An anonymous shared memory file (memfd) mapped
 // MAP_SHARED. Forked children inherit the mapping; spawned children receive the descriptor
 // through the codec and map it again. Anonymous files leave nothing in /dev/shm, ever. Every
-// memfd the library creates is owner-only (0600), and random names come from getrandom().
+// memfd the library creates is owner-only (0600); random names come from
+// runtime/internal/random.h.
 #ifndef FORKSAFE_MP_INTERNAL_SHARED_SEGMENT_H_
 #define FORKSAFE_MP_INTERNAL_SHARED_SEGMENT_H_
 
@@ -19,14 +20,6 @@ namespace forksafe::mp::internal {
 /// memfd_create(`name`, MFD_CLOEXEC) made owner-only (mode 0600: a memfd starts at 0777).
 /// Returns -1 with errno set on failure. Every memfd of the library is made here.
 int PrivateMemfd(const char* name);
-
-/// `n` bytes from getrandom() (the kernel's CSPRNG, not a seeded generator whose state a forked
-/// child shares and whose outputs reveal it). Throws Error(kInternal) if it fails.
-std::string RandomBytes(size_t n);
-/// 32 lowercase hex digits: 128 random bits, for names that must not be guessable.
-std::string RandomHex128();
-/// 64 random bits from RandomBytes().
-uint64_t RandomU64();
 
 /// The in-flight references a message takes while it is encoded for a Queue (mp/queue.h): which
 /// queue carries them (its identity, so that the shm manager keeps their segments while the

@@ -24,6 +24,7 @@
 #include "forksafe/mp/internal/server_auth.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/internal/kept_resources.h"
+#include "forksafe/runtime/internal/process_liveness.h"
 
 namespace forksafe::mp::internal {
 
@@ -65,8 +66,6 @@ pid_t CreatorOf(const std::string& entry) {
   if (us == std::string::npos) return 0;
   return static_cast<pid_t>(std::atoi(entry.substr(9, us - 9).c_str()));
 }
-
-bool Alive(pid_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
 
 // Maps the header page of segment `entry` read-only; nullptr when it has none (yet).
 const SegmentHeader* MapHeader(const std::string& entry) {
@@ -333,7 +332,9 @@ int SweepOrphanedSegments() {
   while (dirent* e = readdir(d)) {
     const std::string n = e->d_name;
     const pid_t creator = CreatorOf(n);
-    if (creator > 0 && !Alive(creator)) candidates.insert(n);
+    // A zombie creator counts as exited: it maps and holds nothing any more (the scan below
+    // decides what its segments' other holders still need).
+    if (creator > 0 && !runtime::internal::ProcessAlive(creator)) candidates.insert(n);
   }
   closedir(d);
   if (candidates.empty()) return 0;

@@ -27,6 +27,7 @@
 #include "forksafe/mp/queue.h"
 #include "forksafe/mp/synchronize.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/random.h"
 #include "gtest/gtest.h"
 #include "tests/support/child_process.h"
 
@@ -181,7 +182,7 @@ TEST(SecurityNamesTest, NamedSegmentsCarry128RandomBits) {
   std::set<std::string> seen;
   std::vector<int> ones(128, 0);
   for (int i = 0; i < 256; ++i) {
-    const std::string h = internal::RandomHex128();
+    const std::string h = runtime::internal::RandomHex128();
     ASSERT_EQ(h.size(), 32u);
     seen.insert(h);
     for (int bit = 0; bit < 128; ++bit) {
@@ -399,7 +400,7 @@ void TellShmManager(const std::string& real, const std::string& presented,
 TEST(ServerAuthTest, ShmManagerRefusesAClientWithoutItsSecret) {
   // A segment of this (live) process with no references: a manager told about it by its client
   // removes it when the client leaves.
-  const std::string name = SharedArena::NamePrefix() + internal::RandomHex128();
+  const std::string name = SharedArena::NamePrefix() + runtime::internal::RandomHex128();
   auto make = [&] {
     const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     ASSERT_GE(fd, 0);
