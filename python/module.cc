@@ -17,9 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -29,6 +27,7 @@
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/cpu_budget.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/mutex.h"
 #include "forksafe/runtime/openmp_fork.h"
 #include "forksafe/runtime/thread_pool.h"
 #include "forksafe/version.h"
@@ -63,8 +62,10 @@ constexpr ErrorCode kAllCodes[] = {
 // Deleted with the GIL held: it owns Python objects and may be released last by a worker.
 struct Outcome {
   uint64_t generation = runtime::ForkGeneration();  // the process that submitted the task
-  std::mutex mu;
-  std::condition_variable cv;
+  // Guards no field of its own: `done` is atomic, set under mu so that a waiter that checked it
+  // under mu cannot miss the notify.
+  runtime::internal::Mutex mu;
+  runtime::internal::CondVar cv;
   // Set under mu, read without it too (in a forked child `mu` may be a copy held by a thread
   // that does not exist there).
   std::atomic<bool> done{false};
@@ -106,13 +107,21 @@ class Future {
     }
     {
       py::gil_scoped_release nogil;
-      std::unique_lock<std::mutex> lk(o_->mu);
+      runtime::internal::MutexLock lk(&o_->mu);
+      finished = true;
       if (timeout.has_value()) {
-        finished = o_->cv.wait_for(lk, std::chrono::duration<double>(*timeout),
-                                   [this] { return o_->done.load(); });
+        // As std::condition_variable::wait_for with a predicate: one steady-clock deadline.
+        const auto until = std::chrono::steady_clock::now() +
+                           std::chrono::ceil<std::chrono::steady_clock::duration>(
+                               std::chrono::duration<double>(*timeout));
+        while (!o_->done.load()) {
+          if (!o_->cv.WaitUntil(&lk, until)) {
+            finished = o_->done.load();
+            break;
+          }
+        }
       } else {
-        o_->cv.wait(lk, [this] { return o_->done.load(); });
-        finished = true;
+        while (!o_->done.load()) o_->cv.Wait(&lk);
       }
     }
     if (!finished) {
@@ -158,9 +167,9 @@ void RunCall(const std::shared_ptr<Call>& call, const std::shared_ptr<Outcome>& 
       Py_XDECREF(tb);
     }
   }
-  std::lock_guard<std::mutex> lk(out->mu);
+  runtime::internal::MutexLock lk(&out->mu);
   out->done = true;
-  out->cv.notify_all();
+  out->cv.NotifyAll();
 }
 
 // Destroys a pool on the thread that lets go of its last reference: with the GIL released (the

@@ -15,7 +15,6 @@
 #include <thread>
 #include <utility>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/framework_lock.h"
@@ -198,7 +197,7 @@ void AtForkRegistry::Register(const void* handle, AtForkHandler handler) {
                 "AtForkRegistry::Register needs a non-null handle (use the owning object's "
                 "address)");
   }
-  std::lock_guard<std::mutex> lk(mu_);
+  internal::MutexLock lk(&mu_);
   for (const Entry& e : entries_) {
     if (e.handle == handle) {
       throw Error(ErrorCode::kAlreadyExists,
@@ -214,7 +213,7 @@ void AtForkRegistry::Register(const void* handle, AtForkHandler handler) {
 
 void AtForkRegistry::Unregister(const void* handle) {
   CheckNotInHandler("AtForkRegistry::Unregister");
-  std::lock_guard<std::mutex> lk(mu_);
+  internal::MutexLock lk(&mu_);
   auto it = std::find_if(entries_.begin(), entries_.end(),
                          [&](const Entry& e) { return e.handle == handle; });
   if (it == entries_.end()) {
@@ -227,14 +226,14 @@ void AtForkRegistry::Unregister(const void* handle) {
 
 bool AtForkRegistry::IsRegistered(const void* handle) const {
   CheckNotInHandler("AtForkRegistry::IsRegistered");  // the registry lock is held there
-  std::lock_guard<std::mutex> lk(mu_);
+  internal::MutexLock lk(&mu_);
   return std::any_of(entries_.begin(), entries_.end(),
                      [&](const Entry& e) { return e.handle == handle; });
 }
 
 std::vector<std::string> AtForkRegistry::HandlerNames() const {
   CheckNotInHandler("AtForkRegistry::HandlerNames");  // the registry lock is held there
-  std::lock_guard<std::mutex> lk(mu_);
+  internal::MutexLock lk(&mu_);
   std::vector<std::string> names;
   for (const Entry& e : entries_) names.push_back(e.handler.name);
   return names;
@@ -261,31 +260,31 @@ void AtForkRegistry::SetOptions(const AtForkOptions& options) {
                 "hang); use shorter deadlines");
   }
   CheckNotInHandler("AtForkRegistry::SetOptions");
-  std::lock_guard<std::mutex> lk(mu_);
+  internal::MutexLock lk(&mu_);
   options_ = options;
 }
 
 AtForkOptions AtForkRegistry::options() const {
   CheckNotInHandler("AtForkRegistry::options");  // the registry lock is held there
-  std::lock_guard<std::mutex> lk(mu_);
+  internal::MutexLock lk(&mu_);
   return options_;
 }
 
 ForkReport AtForkRegistry::LastReport() const {
   CheckNotInHandler("AtForkRegistry::LastReport");  // the registry lock is held there
-  std::lock_guard<std::mutex> lk(mu_);
+  internal::MutexLock lk(&mu_);
   return last_;
 }
 
 uint64_t AtForkRegistry::fork_count() const {
   CheckNotInHandler("AtForkRegistry::fork_count");  // the registry lock is held there
-  std::lock_guard<std::mutex> lk(mu_);
+  internal::MutexLock lk(&mu_);
   return fork_count_;
 }
 
 void AtForkRegistry::SetEventListener(std::function<void(const ForkReport&)> listener) {
   CheckNotInHandler("AtForkRegistry::SetEventListener");
-  std::lock_guard<std::mutex> lk(mu_);
+  internal::MutexLock lk(&mu_);
   listener_ = std::move(listener);
 }
 
@@ -294,7 +293,9 @@ void AtForkRegistry::ReportEvent(ForkEventKind kind, const std::string& subsyste
   if (!t_in_handler) return;
   try {
     // Safe without further locking: the forking thread holds mu_ while handlers run.
-    Get().current_.events.push_back(ForkEvent{kind, subsystem, detail});
+    AtForkRegistry& r = Get();
+    r.mu_.AssertHeld();
+    r.current_.events.push_back(ForkEvent{kind, subsystem, detail});
   } catch (...) {
     // Out of memory while reporting: drop the event rather than disturb the fork.
   }
@@ -311,13 +312,15 @@ void AtForkRegistry::ReportEvent(ForkEventKind kind, const std::string& subsyste
   }
 }
 
-void AtForkRegistry::OnPrepare() {
+// Not analysed: Prepare returns holding the registry lock, which Parent or Child (the next
+// pthread_atfork callback on this thread) releases; the analysis sees one function at a time.
+void AtForkRegistry::OnPrepare() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (!g_bypass.load(std::memory_order_relaxed)) Get().Prepare();
 }
-void AtForkRegistry::OnParent() {
+void AtForkRegistry::OnParent() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (!g_bypass.load(std::memory_order_relaxed)) Get().Parent();
 }
-void AtForkRegistry::OnChild() {
+void AtForkRegistry::OnChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (!g_bypass.load(std::memory_order_relaxed)) Get().Child();
 }
 
@@ -346,10 +349,14 @@ void AtForkRegistry::Prepare() {
   const internal::NestedCopies nested = internal::CurrentNestedCopies();
   RunHook(g_entering);
   internal::RunNestedEntering(nested);
-  std::unique_lock<std::mutex> lk(mu_);
-  fork_done_.wait(lk, [this] { return !forking_; });
+  mu_.Lock();  // stays locked until Parent() or Child(), except during back-off below
+  {
+    // The wait takes a std::unique_lock: one that adopts mu_ and lets go of it without unlocking.
+    std::unique_lock<std::mutex> lk(mu_.native(), std::adopt_lock);
+    while (forking_) fork_done_.native().wait(lk);
+    lk.release();
+  }
   forking_ = true;
-  lk.release();  // mu_ stays locked until Parent() or Child(), except during back-off below
   RunHook(g_entered);
   internal::RunNestedEntered(nested);
   t_in_handler = true;
@@ -370,10 +377,10 @@ void AtForkRegistry::Prepare() {
     // Nothing is prepared now. Let other threads (un)register meanwhile: the thread that holds
     // what a handler refused on may need to (it creates a pool while holding a lock, say).
     // Other forks still wait: forking_ stays true.
-    mu_.unlock();
+    mu_.Unlock();
     std::this_thread::sleep_for(std::min<Clock::duration>(
         backoff, std::max<Clock::duration>(deadline - Clock::now(), std::chrono::microseconds(0))));
-    mu_.lock();
+    mu_.Lock();
     backoff = std::min(backoff * 2, options_.max_backoff);
   }
   // The framework locks, last: this copy's, then each nested copy's, all within this copy's
@@ -494,24 +501,22 @@ void AtForkRegistry::FinishParent() noexcept {
   last_ = std::move(current_);  // no allocation: cannot throw
   t_in_handler = false;
   forking_ = false;
-  fork_done_.notify_all();
+  fork_done_.NotifyAll();
 }
 
 void AtForkRegistry::Parent() {
   ForkReport report;
   std::function<void(const ForkReport&)> listener;
-  {
-    const absl::Cleanup unlock = [this] { mu_.unlock(); };
-    FinishParent();
-    try {
-      if (listener_ && !last_.clean()) {
-        report = last_;
-        listener = listener_;
-      }
-    } catch (...) {
-      listener = nullptr;  // out of memory copying the report: no notification
+  FinishParent();
+  try {
+    if (listener_ && !last_.clean()) {
+      report = last_;
+      listener = listener_;
     }
+  } catch (...) {
+    listener = nullptr;  // out of memory copying the report: no notification
   }
+  mu_.Unlock();  // nothing above throws (FinishParent is noexcept, the rest is caught)
   internal::RunNestedParentDone();
   internal::CallListener(listener, report);
 }
@@ -544,9 +549,9 @@ void AtForkRegistry::Child() noexcept {
   t_in_handler = false;
   forking_ = false;
   // Threads of the parent may have waited on it; none of them exists here.
-  new (&fork_done_) std::condition_variable();
+  fork_done_.ResetAfterFork();
   // This thread locked mu_ in Prepare() and is the same thread here: unlocking is well defined.
-  mu_.unlock();
+  mu_.Unlock();
 }
 
 namespace internal {
@@ -577,6 +582,7 @@ AtForkRegistration::~AtForkRegistration() {
     AtForkRegistry& registry = AtForkRegistry::Get();
     if (t_in_handler) {
       // Inside a fork callback this thread holds the registry: retire the handler instead.
+      registry.mu_.AssertHeld();
       registry.RetireInsideFork(handle_);
       return;
     }
@@ -611,7 +617,9 @@ DefaultFrameworkLock& internal_default_framework_lock() {
   return AtForkRegistry::Get().default_framework_lock_;
 }
 
-bool LockForFork(std::mutex& mu, const PrepareAttempt& attempt) {
+namespace {
+
+bool LockNativeForFork(std::mutex& mu, const PrepareAttempt& attempt) {
   if (mu.try_lock()) return true;
   const auto left = attempt.wait_until - std::chrono::steady_clock::now();
   if (left <= std::chrono::steady_clock::duration::zero()) return false;
@@ -644,10 +652,13 @@ bool LockForFork(std::mutex& mu, const PrepareAttempt& attempt) {
 #endif
 }
 
-void HoldAcrossFork(std::mutex* mu, std::string name, std::function<void()> in_child) {
+// HoldAcrossFork for the std::mutex `mu` (the one inside an internal::Mutex too), registered
+// under `handle`.
+void HoldNativeAcrossFork(std::mutex* mu, const void* handle, std::string name,
+                          std::function<void()> in_child) {
   AtForkHandler h;
   h.name = std::move(name);
-  h.prepare = [mu](const PrepareAttempt& attempt) { return LockForFork(*mu, attempt); };
+  h.prepare = [mu](const PrepareAttempt& attempt) { return LockNativeForFork(*mu, attempt); };
   h.parent = [mu](bool prepared) {
     if (prepared) mu->unlock();
   };
@@ -660,7 +671,28 @@ void HoldAcrossFork(std::mutex* mu, std::string name, std::function<void()> in_c
     if (in_child) in_child();
     mu->unlock();
   };
-  AtForkRegistry::Get().Register(mu, std::move(h));
+  AtForkRegistry::Get().Register(handle, std::move(h));
+}
+
+}  // namespace
+
+bool LockForFork(std::mutex& mu, const PrepareAttempt& attempt) {
+  return LockNativeForFork(mu, attempt);
+}
+
+// Takes the mutex underneath, which the analysis does not see: the annotation on the declaration
+// tells callers that true means held.
+bool LockForFork(internal::Mutex& mu, const PrepareAttempt& attempt)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  return LockNativeForFork(mu.native(), attempt);
+}
+
+void HoldAcrossFork(std::mutex* mu, std::string name, std::function<void()> in_child) {
+  HoldNativeAcrossFork(mu, mu, std::move(name), std::move(in_child));
+}
+
+void HoldAcrossFork(internal::Mutex* mu, std::string name, std::function<void()> in_child) {
+  HoldNativeAcrossFork(&mu->native(), mu, std::move(name), std::move(in_child));
 }
 
 bool InForkHandler() { return t_in_handler; }

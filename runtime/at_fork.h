@@ -126,7 +126,6 @@
 #include <pthread.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -134,6 +133,7 @@
 #include <vector>
 
 #include "forksafe/runtime/framework_lock.h"
+#include "forksafe/runtime/internal/mutex.h"
 
 namespace forksafe::runtime {
 
@@ -284,33 +284,40 @@ class alignas(1024) AtForkRegistry {
   };
 
   AtForkRegistry();
+  // pthread_atfork's callbacks: mu_ is taken in the prepare and released in the parent or child
+  // callback, across functions (see Prepare, Parent, Child).
   static void OnPrepare();
   static void OnParent();
   static void OnChild();
-  void Prepare();
+  // Returns with mu_ held (for the whole fork); Parent() or Child() releases it.
+  void Prepare() ABSL_EXCLUSIVE_LOCK_FUNCTION(mu_);
   bool PrepareRound(PrepareAttempt attempt, std::chrono::steady_clock::time_point cap,
-                    std::chrono::steady_clock::time_point started);
-  void RollBack(size_t from);
-  void TakeFrameworkLock(std::chrono::steady_clock::time_point until) noexcept;
-  void FinishParent() noexcept;
-  void Parent();
-  void Child() noexcept;
+                    std::chrono::steady_clock::time_point started)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RollBack(size_t from) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TakeFrameworkLock(std::chrono::steady_clock::time_point until) noexcept
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishParent() noexcept ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Parent() ABSL_UNLOCK_FUNCTION(mu_);
+  void Child() noexcept ABSL_UNLOCK_FUNCTION(mu_);
   void CheckNotInHandler(const char* what) const;
-  void RetireInsideFork(const void* handle) noexcept;
-  void DropRetired() noexcept;
+  void RetireInsideFork(const void* handle) noexcept ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropRetired() noexcept ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   friend class AtForkRegistration;
   friend struct NestedCopy;  // a copy nested in another's registry (internal/nested_copy.cc)
 
-  mutable std::mutex mu_;  // guards everything below; held from prepare to parent/child
-  std::condition_variable fork_done_;  // a fork's parent phase ended (forking_ went false)
-  bool forking_ = false;               // a fork is between its prepare and parent phases
-  std::vector<Entry> entries_;
-  AtForkOptions options_;
-  ForkReport current_;
-  ForkReport last_;
-  uint64_t fork_count_ = 0;
-  bool framework_lock_taken_ = false;
-  std::function<void(const ForkReport&)> listener_;
+  // Guards everything below; held from prepare to parent/child. Same size as std::mutex, and
+  // fork_done_ as std::condition_variable: the registry still fits its page.
+  mutable internal::Mutex mu_;
+  internal::CondVar fork_done_;  // a fork's parent phase ended (forking_ went false)
+  bool forking_ ABSL_GUARDED_BY(mu_) = false;  // a fork is between its prepare and parent phases
+  std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
+  AtForkOptions options_ ABSL_GUARDED_BY(mu_);
+  ForkReport current_ ABSL_GUARDED_BY(mu_);
+  ForkReport last_ ABSL_GUARDED_BY(mu_);
+  uint64_t fork_count_ ABSL_GUARDED_BY(mu_) = 0;
+  bool framework_lock_taken_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void(const ForkReport&)> listener_ ABSL_GUARDED_BY(mu_);
   DefaultFrameworkLock default_framework_lock_;  // on the same page as mu_ (see above)
 
   friend DefaultFrameworkLock& internal_default_framework_lock();
@@ -348,10 +355,16 @@ class AtForkRegistration {
 /// there) and runs `in_child` on it: the state it guards may be half-updated, and `in_child` is
 /// where to reset it.
 void HoldAcrossFork(std::mutex* mu, std::string name, std::function<void()> in_child = nullptr);
+/// The same for forksafe's annotated mutex (runtime/internal/mutex.h); `mu` is the handle.
+void HoldAcrossFork(internal::Mutex* mu, std::string name,
+                    std::function<void()> in_child = nullptr);
 
 /// Locks `mu` for a prepare callback: waits at most until attempt.wait_until and returns whether
 /// it holds the lock. The one way a prepare should take a mutex (see "The rule for handlers").
 bool LockForFork(std::mutex& mu, const PrepareAttempt& attempt);
+/// The same for forksafe's annotated mutex: true means the caller holds `mu`.
+bool LockForFork(internal::Mutex& mu, const PrepareAttempt& attempt)
+    ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true, mu);
 
 /// True on the thread that is running at-fork handlers, while it runs them.
 bool InForkHandler();

@@ -8,52 +8,61 @@ namespace forksafe::runtime {
 
 void DefaultFrameworkLock::Lock() {
   const auto self = std::this_thread::get_id();
-  std::unique_lock<std::mutex> lk(mu_);
+  internal::MutexLock lk(&mu_);
   if (owner_.load(std::memory_order_relaxed) == self) {
     ++depth_;
     return;
   }
-  cv_.wait(lk, [&] { return depth_ == 0; });
+  while (depth_ != 0) cv_.Wait(&lk);
   owner_.store(self, std::memory_order_relaxed);
   depth_ = 1;
 }
 
 bool DefaultFrameworkLock::TryLockFor(std::chrono::nanoseconds timeout) {
   const auto self = std::this_thread::get_id();
-  std::unique_lock<std::mutex> lk(mu_);
+  internal::MutexLock lk(&mu_);
   if (owner_.load(std::memory_order_relaxed) == self) {
     ++depth_;
     return true;
   }
-  if (!cv_.wait_for(lk, timeout, [&] { return depth_ == 0; })) return false;
+  // As std::condition_variable::wait_for with a predicate: one deadline on the steady clock.
+  const auto until = std::chrono::steady_clock::now() +
+                     std::chrono::ceil<std::chrono::steady_clock::duration>(timeout);
+  while (depth_ != 0) {
+    if (!cv_.WaitUntil(&lk, until)) {
+      if (depth_ != 0) return false;
+      break;
+    }
+  }
   owner_.store(self, std::memory_order_relaxed);
   depth_ = 1;
   return true;
 }
 
 void DefaultFrameworkLock::Unlock() {
-  std::unique_lock<std::mutex> lk(mu_);
+  internal::MutexLock lk(&mu_);
   if (owner_.load(std::memory_order_relaxed) != std::this_thread::get_id() || depth_ == 0) {
     throw Error(ErrorCode::kFailedPrecondition,
                 "FrameworkLock::Unlock called by a thread that does not hold the framework lock; "
                 "pair every Lock() with one Unlock() on the same thread (use FrameworkLockGuard)");
   }
-  if (--depth_ == 0) {
-    owner_.store(std::thread::id(), std::memory_order_relaxed);
-    lk.unlock();
-    cv_.notify_one();
-  }
+  if (--depth_ != 0) return;
+  owner_.store(std::thread::id(), std::memory_order_relaxed);
+  lk.Unlock();
+  cv_.NotifyOne();
 }
 
 bool DefaultFrameworkLock::HeldByCurrentThread() const {
   return owner_.load(std::memory_order_relaxed) == std::this_thread::get_id();
 }
 
-void DefaultFrameworkLock::ResetInChild() {
+// Not analysed: depth_ is written without mu_ on the forked child's only thread, where no other
+// thread can take it.
+void DefaultFrameworkLock::ResetInChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // Another thread may have held mu_ at the instant of the fork and does not exist here: rebuild
   // the internals in place (the old ones are abandoned, never destroyed).
-  new (&mu_) std::mutex();
-  new (&cv_) std::condition_variable();
+  mu_.ResetAfterFork();
+  cv_.ResetAfterFork();
   if (owner_.load(std::memory_order_relaxed) != std::this_thread::get_id()) {
     owner_.store(std::thread::id(), std::memory_order_relaxed);
     depth_ = 0;

@@ -28,9 +28,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
-#include <mutex>
 #include <thread>
+
+#include "forksafe/runtime/internal/mutex.h"
 
 namespace forksafe::runtime {
 
@@ -73,10 +73,10 @@ class DefaultFrameworkLock final : public FrameworkLock {
   void ResetInChild() override;
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
+  internal::Mutex mu_;
+  internal::CondVar cv_;
   std::atomic<std::thread::id> owner_{};
-  int depth_ = 0;  // guarded by mu_
+  int depth_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 /// The lock the runtime holds across fork (the default one unless replaced).

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/internal/mutex.h"
 #include "forksafe/runtime/openmp_fork.h"
 #include "oneapi/tbb/global_control.h"
 
@@ -18,12 +19,12 @@ namespace forksafe::runtime {
 namespace {
 
 struct TbbForkState {
-  // A lifetime handle, held at all times except for a moment inside prepare (see HoldScheduler).
-  tbb::task_scheduler_handle handle;
   // Guards `handle` against ReleaseTbbScheduler. Prepare takes it and keeps it across the fork
   // (released in parent and child, or before prepare returns false), so that no thread can hold
   // it when the child is made.
-  std::mutex mu;
+  internal::Mutex mu;
+  // A lifetime handle, held at all times except for a moment inside prepare (see HoldScheduler).
+  tbb::task_scheduler_handle handle ABSL_GUARDED_BY(mu);
   std::atomic<bool> usable{true};
   std::atomic<uint64_t> finalized{0};
   std::atomic<uint64_t> refused{0};
@@ -47,7 +48,7 @@ TbbForkState& StateRef() {
 // fork. Measured with bench/onetbb_worker_linger (docs/reliability.md): a oneTBB thread was still
 // running 200 us after finalize returned in 18 of 6,000 forks when the handle was attached only
 // in prepare, in 0 of 6,000 with the handle held. Never throws (at-fork handlers must not).
-void HoldScheduler(TbbForkState& st) {
+void HoldScheduler(TbbForkState& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
   if (st.handle) return;
   try {
     st.handle = tbb::task_scheduler_handle(tbb::attach{});
@@ -92,7 +93,26 @@ void LetDetachedWorkersFinish() {
   }
 }
 
-bool Prepare(const PrepareAttempt& attempt) {
+// With st.mu held: finalizes oneTBB (joining its workers) and holds the scheduler again; true
+// when the workers were joined.
+bool FinalizeScheduler(TbbForkState& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
+  const bool was_held = static_cast<bool>(st.handle);
+  HoldScheduler(st);
+  const bool joined = tbb::finalize(st.handle, std::nothrow);  // releases the handle either way
+  // Hold the scheduler again at once: after a success, so that parent and child both start with
+  // it held (attaching here, before the kernel's fork, writes no page that the child shares; an
+  // attach after the fork would cost a copy-on-write fault or two in each process); after a
+  // refusal, so that the thread finalize waited for cannot drop the last reference meanwhile.
+  HoldScheduler(st);
+  if (!joined) return false;
+  st.finalized.fetch_add(1, std::memory_order_relaxed);
+  if (!was_held) LetDetachedWorkersFinish();
+  return true;
+}
+
+// Not analysed: on true it returns holding st.mu, which the parent or child handler releases
+// (held across the fork, on this thread); the analysis sees one function at a time.
+bool Prepare(const PrepareAttempt& attempt) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   TbbForkState& st = StateRef();
   // A process whose oneTBB was left inconsistent by an earlier fork must not touch it again;
   // its children inherit the "unusable" flag.
@@ -107,20 +127,8 @@ bool Prepare(const PrepareAttempt& attempt) {
     }
     return false;
   }
-  const bool was_held = static_cast<bool>(st.handle);
-  HoldScheduler(st);
-  const bool joined = tbb::finalize(st.handle, std::nothrow);  // releases the handle either way
-  // Hold the scheduler again at once: after a success, so that parent and child both start with
-  // it held (attaching here, before the kernel's fork, writes no page that the child shares; an
-  // attach after the fork would cost a copy-on-write fault or two in each process); after a
-  // refusal, so that the thread finalize waited for cannot drop the last reference meanwhile.
-  HoldScheduler(st);
-  if (joined) {
-    st.finalized.fetch_add(1, std::memory_order_relaxed);
-    if (!was_held) LetDetachedWorkersFinish();
-    return true;
-  }
-  st.mu.unlock();
+  if (FinalizeScheduler(st)) return true;  // st.mu stays held until parent/child
+  st.mu.Unlock();
   st.refused.fetch_add(1, std::memory_order_relaxed);
   if (!attempt.last) return false;
   st.gave_up.fetch_add(1, std::memory_order_relaxed);
@@ -143,7 +151,11 @@ void InstallTbbForkHandler() {
     // handle would make every finalize refuse (runtime/at_fork.h, "One registry per process").
     if (AtForkRegistry::Get().IsNested()) return;
     // Held from load time on, before any thread can run a oneTBB algorithm (see HoldScheduler).
-    HoldScheduler(StateRef());
+    {
+      TbbForkState& st = StateRef();
+      internal::MutexLock lk(&st.mu);
+      HoldScheduler(st);
+    }
     AtForkHandler h;
     h.name = "onetbb";
     h.prepare = Prepare;
@@ -152,7 +164,10 @@ void InstallTbbForkHandler() {
     // process where oneTBB is unusable (prepare took nothing).
     h.parent = [](bool prepared) {
       TbbForkState& st = StateRef();
-      if (prepared && st.usable.load()) st.mu.unlock();
+      if (prepared && st.usable.load()) {
+        st.mu.AssertHeld();  // this thread took it in prepare
+        st.mu.Unlock();
+      }
     };
     h.child = [](bool prepared) {
       TbbForkState& st = StateRef();
@@ -161,10 +176,13 @@ void InstallTbbForkHandler() {
         st.usable.store(false);
         // If the lock was what could not be had, its holder does not exist here: rebuild it
         // unlocked, so that ReleaseTbbScheduler() in this child does not wait for ever.
-        new (&st.mu) std::mutex();
+        st.mu.ResetAfterFork();
         return;
       }
-      if (st.usable.load()) st.mu.unlock();  // this thread locked it in prepare
+      if (st.usable.load()) {
+        st.mu.AssertHeld();  // this thread locked it in prepare
+        st.mu.Unlock();
+      }
     };
     static int tag;
     AtForkRegistry::Get().Register(&tag, std::move(h));
@@ -173,7 +191,7 @@ void InstallTbbForkHandler() {
 
 void ReleaseTbbScheduler() {
   TbbForkState& st = StateRef();
-  std::lock_guard<std::mutex> lk(st.mu);
+  internal::MutexLock lk(&st.mu);
   if (st.handle) st.handle.release();
 }
 

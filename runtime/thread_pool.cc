@@ -6,8 +6,8 @@
 #include <cerrno>
 #include <deque>
 #include <list>
+#include <mutex>
 #include <new>
-#include <optional>
 #include <thread>
 #include <vector>
 
@@ -26,33 +26,36 @@ namespace internal {
 struct PoolState {
   struct Worker {
     std::thread thread;
-    bool exited = false;  // guarded by mu
+    bool exited = false;  // guarded by mu (reached only through `workers`, which is)
   };
 
-  std::mutex mu;
-  std::condition_variable work_cv;   // workers wait for tasks
-  std::condition_variable drain_cv;  // prepare waits for workers to leave
-  std::condition_variable idle_cv;   // Wait() waits for an empty, idle pool
-  std::deque<std::function<void()>> queue;
-  std::list<Worker> workers;
-  int live = 0;     // workers inside WorkerLoop
-  int running = 0;  // tasks in flight (on workers and on threads that help)
-  int forking_workers = 0;  // workers inside fork(), waiting for another thread's fork
+  Mutex mu;
+  CondVar work_cv;   // workers wait for tasks
+  CondVar drain_cv;  // prepare waits for workers to leave
+  CondVar idle_cv;   // Wait() waits for an empty, idle pool
+  std::deque<std::function<void()>> queue ABSL_GUARDED_BY(mu);
+  std::list<Worker> workers ABSL_GUARDED_BY(mu);
+  int live ABSL_GUARDED_BY(mu) = 0;     // workers inside WorkerLoop
+  int running ABSL_GUARDED_BY(mu) = 0;  // tasks in flight (on workers and on threads that help)
+  // Workers inside fork(), waiting for another thread's fork.
+  int forking_workers ABSL_GUARDED_BY(mu) = 0;
   // Workers that left their loop and that some thread took off `workers` to join, not yet
   // joined: their threads may still be running thread_local destructors. A drain is complete only
   // when this is 0 too (a Post on another thread may be joining a worker the drain let go).
-  int joining = 0;
-  bool paused = false;
-  bool stopping = false;
-  uint64_t generation = ForkGeneration();
-  uint64_t tasks_completed = 0;
-  uint64_t task_exceptions = 0;
+  int joining ABSL_GUARDED_BY(mu) = 0;
+  bool paused ABSL_GUARDED_BY(mu) = false;
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  const uint64_t generation = ForkGeneration();  // set once: read without mu
+  uint64_t tasks_completed ABSL_GUARDED_BY(mu) = 0;
+  uint64_t task_exceptions ABSL_GUARDED_BY(mu) = 0;
 };
 
 }  // namespace internal
 
 namespace {
 
+using internal::CondVar;
+using internal::MutexLock;
 using internal::PoolState;
 
 thread_local PoolState* t_worker_state = nullptr;
@@ -72,14 +75,14 @@ bool RunTask(std::function<void()> task) {
 
 void WorkerLoop(PoolState* s, PoolState::Worker* self) {
   t_worker_state = s;
-  std::unique_lock<std::mutex> lk(s->mu);
+  MutexLock lk(&s->mu);
   for (;;) {
-    s->work_cv.wait(lk, [s] { return s->paused || s->stopping || !s->queue.empty(); });
+    while (!s->paused && !s->stopping && s->queue.empty()) s->work_cv.Wait(&lk);
     if (s->paused || s->queue.empty()) break;  // paused for a fork, or stopping with no work
     std::function<void()> task = std::move(s->queue.front());
     s->queue.pop_front();
     ++s->running;
-    lk.unlock();
+    lk.Unlock();
     const bool threw = RunTask(std::move(task));
     if (ForkGeneration() != s->generation) {
       // This thread forked from inside the task and is now the only thread of a child: the
@@ -87,21 +90,21 @@ void WorkerLoop(PoolState* s, PoolState::Worker* self) {
       t_worker_state = nullptr;
       return;
     }
-    lk.lock();
+    lk.Lock();
     --s->running;
     ++s->tasks_completed;
     if (threw) ++s->task_exceptions;
-    if (s->running == 0 && s->queue.empty()) s->idle_cv.notify_all();
-    if (s->paused) s->drain_cv.notify_all();
+    if (s->running == 0 && s->queue.empty()) s->idle_cv.NotifyAll();
+    if (s->paused) s->drain_cv.NotifyAll();
   }
   --s->live;
   self->exited = true;
-  s->drain_cv.notify_all();
+  s->drain_cv.NotifyAll();
   t_worker_state = nullptr;
 }
 
-// Starts workers up to `target`. Requires s->mu held, and keeps it held (never unlocks).
-void EnsureWorkersLocked(PoolState* s, int target, std::unique_lock<std::mutex>& lk) {
+// Starts workers up to `target`. Keeps s->mu held (never unlocks).
+void EnsureWorkersLocked(PoolState* s, int target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
   if (s->paused || s->stopping) return;
   while (s->live < target) {
     s->workers.emplace_back();
@@ -136,13 +139,15 @@ bool JoinIfEndedBy(std::thread& t, std::chrono::steady_clock::time_point until) 
   }
 }
 
-// Joins and forgets workers that have left their loop. Requires lk held; releases it meanwhile.
-// With `until` (inside a fork callback, the registry held) a worker whose thread has not ended by
-// then is left for a later call: its thread_local destructors may be waiting for the registry
-// (an AtForkRegistration, a thread_local pool), and an unbounded join would deadlock the fork.
-// Returns how many such threads are still running.
-int ReapExitedLocked(PoolState* s, std::unique_lock<std::mutex>& lk,
-                     std::optional<std::chrono::steady_clock::time_point> until = std::nullopt) {
+// Joins and forgets workers that have left their loop. Requires s->mu held (by the caller's
+// MutexLock); releases it meanwhile and takes it again before returning. A worker whose thread has
+// not ended by `until` is left for a later call: its thread_local destructors may be waiting for
+// the registry (an AtForkRegistration, a thread_local pool) or a lock the caller holds, and an
+// unbounded join would deadlock. Returns how many such threads are still running.
+// Nothing throws while s->mu is released (`later` is reserved first), so the caller's guard
+// always finds the mutex held again.
+int ReapExitedLocked(PoolState* s, std::chrono::steady_clock::time_point until)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
   std::vector<std::thread> done;
   for (auto it = s->workers.begin(); it != s->workers.end();) {
     if (it->exited) {
@@ -154,31 +159,27 @@ int ReapExitedLocked(PoolState* s, std::unique_lock<std::mutex>& lk,
   }
   if (done.empty()) return 0;
   const int taken = static_cast<int>(done.size());
-  s->joining += taken;
-  lk.unlock();
   std::vector<std::thread> later;
+  later.reserve(done.size());
+  s->joining += taken;
+  s->mu.Unlock();
   for (std::thread& t : done) {
-    if (!t.joinable()) continue;
-    if (!until.has_value()) {
-      t.join();
-    } else if (!JoinIfEndedBy(t, *until)) {
-      later.push_back(std::move(t));
-    }
+    if (t.joinable() && !JoinIfEndedBy(t, until)) later.push_back(std::move(t));
   }
-  lk.lock();
+  s->mu.Lock();
   s->joining -= taken;
   for (std::thread& t : later) {
     s->workers.emplace_back();
     s->workers.back().thread = std::move(t);
     s->workers.back().exited = true;
   }
-  if (s->paused) s->drain_cv.notify_all();
+  if (s->paused) s->drain_cv.NotifyAll();
   return static_cast<int>(later.size());
 }
 
 // Workers that left their loop and whose threads are not joined yet: listed, or being joined by
-// another thread. Requires s->mu held.
-int LeftNotJoinedLocked(const PoolState* s) {
+// another thread.
+int LeftNotJoinedLocked(const PoolState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
   int n = s->joining;
   for (const PoolState::Worker& w : s->workers) n += w.exited ? 1 : 0;
   return n;
@@ -189,15 +190,15 @@ int LeftNotJoinedLocked(const PoolState* s) {
 void OnForkEntering() {
   PoolState* s = t_worker_state;
   if (s == nullptr || ForkGeneration() != s->generation) return;
-  std::lock_guard<std::mutex> lk(s->mu);
+  MutexLock lk(&s->mu);
   ++s->forking_workers;
-  s->drain_cv.notify_all();
+  s->drain_cv.NotifyAll();
 }
 
 void OnForkEntered() {
   PoolState* s = t_worker_state;
   if (s == nullptr || ForkGeneration() != s->generation) return;
-  std::lock_guard<std::mutex> lk(s->mu);
+  MutexLock lk(&s->mu);
   --s->forking_workers;
 }
 
@@ -241,20 +242,20 @@ ThreadPool::~ThreadPool() {
   PoolState* s = state_.load();
   if (s == nullptr) return;
   {
-    std::unique_lock<std::mutex> lk(s->mu);
+    MutexLock lk(&s->mu);
     s->stopping = true;
     s->paused = false;
     // Make sure queued work still has a worker to run it.
     if (!s->queue.empty() && s->live == 0) {
       s->stopping = false;
-      EnsureWorkersLocked(s, 1, lk);
+      EnsureWorkersLocked(s, 1);
       s->stopping = true;
     }
-    s->work_cv.notify_all();
+    s->work_cv.NotifyAll();
   }
   std::vector<std::thread> threads;
   {
-    std::lock_guard<std::mutex> lk(s->mu);
+    MutexLock lk(&s->mu);
     for (auto& w : s->workers) threads.push_back(std::move(w.thread));
   }
   for (std::thread& t : threads) {
@@ -285,13 +286,13 @@ PoolState* ThreadPool::State() {
 void ThreadPool::Post(std::function<void()> fn) {
   if (!fn) throw Error(ErrorCode::kInvalidArgument, "ThreadPool::Post was given an empty task");
   PoolState* s = State();
-  std::unique_lock<std::mutex> lk(s->mu);
+  MutexLock lk(&s->mu);
   // Workers that left at a fork and could not be joined then: every listed worker is live or left.
   // Joined only if their threads have ended: a thread still in its thread_local destructors may
   // wait for a lock this caller holds, and an unbounded join here would deadlock. The others
   // stay listed for a later Post, a fork's drain or the destructor.
   if (s->workers.size() > static_cast<size_t>(s->live)) {
-    ReapExitedLocked(s, lk, std::chrono::steady_clock::now());
+    ReapExitedLocked(s, std::chrono::steady_clock::now());
   }
   if (s->stopping) {
     throw Error(ErrorCode::kFailedPrecondition,
@@ -299,21 +300,21 @@ void ThreadPool::Post(std::function<void()> fn) {
   }
   s->queue.push_back(std::move(fn));
   try {
-    EnsureWorkersLocked(s, num_threads_, lk);
+    EnsureWorkersLocked(s, num_threads_);
   } catch (...) {
     // No worker could start and none runs: the task is refused, so it must not run later (its
     // caller may unwind and free what it refers to). EnsureWorkersLocked keeps the lock held.
     s->queue.pop_back();
     throw;
   }
-  s->work_cv.notify_one();
+  s->work_cv.NotifyOne();
 }
 
 bool ThreadPool::TryRunOne() {
   PoolState* s = State();
   std::function<void()> task;
   {
-    std::lock_guard<std::mutex> lk(s->mu);
+    MutexLock lk(&s->mu);
     // Also while paused for a fork: a thread that waits for its own tasks (a TaskGroup, a
     // ParallelFor) runs them itself, so it never waits for workers that the fork keeps stopped
     // (while holding a lock that a prepare wants, say). Such a thread is not one of the pool's
@@ -325,12 +326,12 @@ bool ThreadPool::TryRunOne() {
   }
   const bool threw = RunTask(std::move(task));
   if (ForkGeneration() != s->generation) return true;  // forked inside the task: state is gone
-  std::lock_guard<std::mutex> lk(s->mu);
+  MutexLock lk(&s->mu);
   --s->running;
   ++s->tasks_completed;
   if (threw) ++s->task_exceptions;
-  if (s->running == 0 && s->queue.empty()) s->idle_cv.notify_all();
-  if (s->paused) s->drain_cv.notify_all();
+  if (s->running == 0 && s->queue.empty()) s->idle_cv.NotifyAll();
+  if (s->paused) s->drain_cv.NotifyAll();
   return true;
 }
 
@@ -341,8 +342,8 @@ void ThreadPool::Wait() {
                              "\" would wait for itself; use a TaskGroup instead"));
   }
   PoolState* s = State();
-  std::unique_lock<std::mutex> lk(s->mu);
-  s->idle_cv.wait(lk, [s] { return s->queue.empty() && s->running == 0; });
+  MutexLock lk(&s->mu);
+  while (!s->queue.empty() || s->running != 0) s->idle_cv.Wait(&lk);
 }
 
 void ThreadPool::ParallelFor(int64_t begin, int64_t end, int64_t grain,
@@ -370,8 +371,8 @@ void ThreadPool::ParallelFor(int64_t begin, int64_t end, int64_t grain,
   // calling thread and up to num_threads() helper tasks take the next chunk until none is left.
   struct Shared {
     std::atomic<uint64_t> next{0};
-    std::mutex mu;
-    std::exception_ptr error;  // the first one, guarded by mu
+    internal::Mutex mu;
+    std::exception_ptr error ABSL_GUARDED_BY(mu);  // the first one
   } shared;
   auto run_chunks = [&shared, &body, begin, end, span, step, chunks] {
     for (;;) {
@@ -384,7 +385,7 @@ void ThreadPool::ParallelFor(int64_t begin, int64_t end, int64_t grain,
       try {
         body(lo, hi);
       } catch (...) {
-        std::lock_guard<std::mutex> lk(shared.mu);
+        MutexLock lk(&shared.mu);
         if (!shared.error) shared.error = std::current_exception();
       }
     }
@@ -403,20 +404,26 @@ void ThreadPool::ParallelFor(int64_t begin, int64_t end, int64_t grain,
     run_chunks();  // the caller works too: it never waits for workers that cannot come
     group.Wait();  // helpers not started yet find no chunk left (or run here if the pool paused)
   }
-  if (shared.error) std::rethrow_exception(shared.error);
+  // Every helper has finished (group.Wait above): no other thread touches `shared` now.
+  std::exception_ptr error;
+  {
+    MutexLock lk(&shared.mu);
+    error = shared.error;
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 int ThreadPool::live_workers() const {
   PoolState* s = state_.load();
   if (s == nullptr) return 0;
-  std::lock_guard<std::mutex> lk(s->mu);
+  MutexLock lk(&s->mu);
   return s->live;
 }
 
 size_t ThreadPool::queued() const {
   PoolState* s = state_.load();
   if (s == nullptr) return 0;
-  std::lock_guard<std::mutex> lk(s->mu);
+  MutexLock lk(&s->mu);
   return s->queue.size();
 }
 
@@ -424,7 +431,7 @@ ThreadPoolStats ThreadPool::stats() const {
   ThreadPoolStats out;
   PoolState* s = state_.load();
   if (s != nullptr) {
-    std::lock_guard<std::mutex> lk(s->mu);
+    MutexLock lk(&s->mu);
     out.tasks_completed = s->tasks_completed;
     out.task_exceptions = s->task_exceptions;
   }
@@ -463,14 +470,19 @@ bool ThreadPool::PrepareFork(const PrepareAttempt& attempt) {
   const auto wait_until = last ? hard_deadline : std::min(hard_deadline, now + slice);
   const int self = (t_worker_state == s) ? 1 : 0;  // a fork from our own worker
 
-  std::unique_lock<std::mutex> lk(s->mu);
+  MutexLock lk(&s->mu);
   s->paused = true;
-  s->work_cv.notify_all();
+  s->work_cv.NotifyAll();
   // Workers leave their loop when their task ends. Not waited for: this thread (a fork from one
   // of our tasks), workers that are themselves inside fork() waiting for this one (they cannot
   // finish first), and tasks that threads other than workers run for themselves (TryRunOne).
-  const bool drained = s->drain_cv.wait_until(
-      lk, wait_until, [s, self] { return s->live <= self + s->forking_workers; });
+  bool drained = true;
+  while (s->live > self + s->forking_workers) {
+    if (!s->drain_cv.WaitUntil(&lk, wait_until)) {
+      drained = s->live <= self + s->forking_workers;
+      break;
+    }
+  }
   // Workers that left their loop are joined if their threads end in time. A thread that has not
   // ended is still running its thread_local destructors, and they take other libraries' locks
   // (tbbmalloc returns a thread's caches under its own: a fork in that moment handed the child a
@@ -487,10 +499,17 @@ bool ThreadPool::PrepareFork(const PrepareAttempt& attempt) {
       std::max(wait_until, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
   // A Post joins with a poll only and lists again the threads that have not ended: reap those
   // too once its join is over, or this drain would count them as gone.
-  ReapExitedLocked(s, lk, join_until);
-  while (s->joining > 0 &&
-         s->drain_cv.wait_until(lk, join_until, [s] { return s->joining == 0; })) {
-    ReapExitedLocked(s, lk, join_until);
+  ReapExitedLocked(s, join_until);
+  while (s->joining > 0) {
+    bool joined = true;  // joining reached 0 before join_until
+    while (s->joining != 0) {
+      if (!s->drain_cv.WaitUntil(&lk, join_until)) {
+        joined = s->joining == 0;
+        break;
+      }
+    }
+    if (!joined) break;
+    ReapExitedLocked(s, join_until);
   }
   const int still_exiting = LeftNotJoinedLocked(s);
   if (drained && still_exiting == 0) {
@@ -500,7 +519,7 @@ bool ThreadPool::PrepareFork(const PrepareAttempt& attempt) {
   if (still_exiting > 0) exit_waits_.fetch_add(1, std::memory_order_relaxed);
   if (!last && std::chrono::steady_clock::now() < hard_deadline) {
     s->paused = false;  // roll back: let the workers go on until the next attempt
-    s->work_cv.notify_all();
+    s->work_cv.NotifyAll();
     return false;
   }
   drain_timeouts_.fetch_add(1, std::memory_order_relaxed);
@@ -529,18 +548,18 @@ void ThreadPool::ParentAfterFork() {
   if (drained_this_fork_) forks_drained_.fetch_add(1, std::memory_order_relaxed);
   PoolState* s = state_.load();
   if (s == nullptr) return;
-  std::unique_lock<std::mutex> lk(s->mu);
+  MutexLock lk(&s->mu);
   s->paused = false;
-  ReapExitedLocked(s, lk, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
+  ReapExitedLocked(s, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
   // Workers come back at once only where queued tasks wait for them; otherwise on next Post.
   if (!s->queue.empty()) {
     try {
-      EnsureWorkersLocked(s, num_threads_, lk);
+      EnsureWorkersLocked(s, num_threads_);
     } catch (...) {
       // Out of threads right now: the next Post() tries again.
     }
   }
-  s->work_cv.notify_all();
+  s->work_cv.NotifyAll();
 }
 
 void ThreadPool::ChildAfterFork() {
@@ -568,7 +587,7 @@ TaskGroup::~TaskGroup() {
 
 void TaskGroup::Run(std::function<void()> fn) {
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    internal::MutexLock lk(&mu_);
     ++pending_;
   }
   try {
@@ -579,12 +598,12 @@ void TaskGroup::Run(std::function<void()> fn) {
       } catch (...) {
         err = std::current_exception();
       }
-      std::lock_guard<std::mutex> lk(mu_);
+      internal::MutexLock lk(&mu_);
       if (err && !error_) error_ = err;
-      if (--pending_ == 0) cv_.notify_all();
+      if (--pending_ == 0) cv_.NotifyAll();
     });
   } catch (...) {
-    std::lock_guard<std::mutex> lk(mu_);
+    internal::MutexLock lk(&mu_);
     --pending_;
     throw;
   }
@@ -600,16 +619,18 @@ void TaskGroup::Wait() {
   }
   for (;;) {
     {
-      std::unique_lock<std::mutex> lk(mu_);
+      internal::MutexLock lk(&mu_);
       if (pending_ == 0) break;
     }
     if (pool_.TryRunOne()) continue;
-    std::unique_lock<std::mutex> lk(mu_);
-    cv_.wait_for(lk, std::chrono::milliseconds(1), [this] { return pending_ == 0; });
+    internal::MutexLock lk(&mu_);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1);
+    while (pending_ != 0 && cv_.WaitUntil(&lk, until)) {
+    }
   }
   std::exception_ptr err;
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    internal::MutexLock lk(&mu_);
     err = std::exchange(error_, nullptr);
   }
   if (err) std::rethrow_exception(err);

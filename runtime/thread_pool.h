@@ -55,16 +55,16 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <functional>
 #include <future>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
+
+#include "forksafe/runtime/internal/mutex.h"
 
 namespace forksafe::runtime {
 
@@ -198,10 +198,10 @@ class TaskGroup {
 
  private:
   ThreadPool& pool_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int pending_ = 0;
-  std::exception_ptr error_;
+  internal::Mutex mu_;
+  internal::CondVar cv_;
+  int pending_ ABSL_GUARDED_BY(mu_) = 0;
+  std::exception_ptr error_ ABSL_GUARDED_BY(mu_);
   uint64_t generation_;  // ForkGeneration() at construction: Wait in a forked child refuses
 };
 

@@ -14,7 +14,6 @@
 #include <string>
 #include <utility>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "forksafe/runtime/framework_lock.h"
 #include "forksafe/version.h"
@@ -69,8 +68,9 @@ struct __attribute__((visibility("hidden"))) NestedCopy {
 
   // One round of this copy's handlers for the primary's attempt. On success mu_ stays held (and
   // InForkHandler() true) until RollBack, Parent or Child; on "not yet" or an exception nothing
-  // is held.
-  static int Prepare(const forksafe_attempt_v1* c) noexcept {
+  // is held. Not analysed for that reason: it returns holding r.mu_, which a later entry point
+  // releases on this thread (t_held says so); the round itself is (PrepareRoundHeld).
+  static int Prepare(const forksafe_attempt_v1* c) noexcept ABSL_NO_THREAD_SAFETY_ANALYSIS {
     if (c == nullptr || c->struct_size < sizeof(forksafe_attempt_v1)) return 0;
     AtForkRegistry& r = internal::ThisRegistry();
     const auto deadline = internal::FromNs(c->deadline_ns);
@@ -87,7 +87,19 @@ struct __attribute__((visibility("hidden"))) NestedCopy {
     wait.wait_until = internal::FromNs(c->wait_until_ns);
     if (!LockForFork(r.mu_, wait)) return 0;
     internal::SetInForkHandler(true);
-    bool ok = false;
+    if (!PrepareRoundHeld(r, c, a)) {
+      internal::SetInForkHandler(false);
+      r.mu_.Unlock();
+      return 0;
+    }
+    t_held = true;
+    return 1;
+  }
+
+  // Prepare's round, with r.mu_ held; false (everything rolled back) on "not yet" or a throw.
+  static bool PrepareRoundHeld(AtForkRegistry& r, const forksafe_attempt_v1* c,
+                               const PrepareAttempt& a) noexcept
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(r.mu_) {
     try {
       if (!t_report_fresh) {
         r.current_ = ForkReport{};
@@ -96,22 +108,15 @@ struct __attribute__((visibility("hidden"))) NestedCopy {
       }
       r.current_.attempts = c->number;
       r.framework_lock_taken_ = false;
-      ok = r.PrepareRound(a, internal::FromNs(c->wait_until_ns), t_started);
+      return r.PrepareRound(a, internal::FromNs(c->wait_until_ns), t_started);
     } catch (...) {
       // Nothing in a round should throw (callbacks' exceptions are caught there); if something
       // did, undo what this round prepared rather than leave the registry locked.
       r.RollBack(0);
       AtForkRegistry::ReportEvent(ForkEventKind::kHandlerThrew, "forksafe copy",
                                   "a prepare round of this copy threw; rolled back");
-      ok = false;
+      return false;
     }
-    if (!ok) {
-      internal::SetInForkHandler(false);
-      r.mu_.unlock();
-      return 0;
-    }
-    t_held = true;
-    return 1;
   }
 
   // The primary rolls back a round in which this copy was prepared.
@@ -119,10 +124,7 @@ struct __attribute__((visibility("hidden"))) NestedCopy {
     if (!t_held) return;
     t_held = false;
     AtForkRegistry& r = internal::ThisRegistry();
-    const absl::Cleanup unlock = [&r] {
-      internal::SetInForkHandler(false);
-      r.mu_.unlock();
-    };
+    r.mu_.AssertHeld();  // t_held: this thread took it in Prepare
     if (r.framework_lock_taken_) {
       r.framework_lock_taken_ = false;
       try {
@@ -130,7 +132,9 @@ struct __attribute__((visibility("hidden"))) NestedCopy {
       } catch (...) {
       }
     }
-    r.RollBack(0);
+    r.RollBack(0);  // noexcept callbacks aside, nothing here throws (and this function is noexcept)
+    internal::SetInForkHandler(false);
+    r.mu_.Unlock();
   }
 
   // After the primary took its own framework lock, every copy prepared: this copy's, waiting at
@@ -139,6 +143,7 @@ struct __attribute__((visibility("hidden"))) NestedCopy {
   static void LockFramework(int64_t deadline_ns) noexcept {
     if (!t_held) return;
     AtForkRegistry& r = internal::ThisRegistry();
+    r.mu_.AssertHeld();  // t_held: this thread took it in Prepare
     r.TakeFrameworkLock(std::min(internal::FromNs(deadline_ns),
                                  Clock::now() + r.options_.framework_lock_timeout));
   }
@@ -148,10 +153,7 @@ struct __attribute__((visibility("hidden"))) NestedCopy {
     if (!t_held) return;  // not prepared on the last attempt: its handlers did not run
     t_held = false;
     AtForkRegistry& r = internal::ThisRegistry();
-    const absl::Cleanup unlock = [&r] {
-      internal::SetInForkHandler(false);
-      r.mu_.unlock();
-    };
+    r.mu_.AssertHeld();  // t_held: this thread took it in Prepare
     r.FinishParent();
     try {
       if (!r.last_.clean() && r.listener_) {
@@ -162,6 +164,8 @@ struct __attribute__((visibility("hidden"))) NestedCopy {
     } catch (...) {
       t_pending = PendingReport{};  // out of memory copying the report: no notification
     }
+    internal::SetInForkHandler(false);
+    r.mu_.Unlock();
   }
 
   static void Child() noexcept {
@@ -173,15 +177,17 @@ struct __attribute__((visibility("hidden"))) NestedCopy {
       // had, or its round failed. This is the child's only thread; whoever held the lock does
       // not exist here. Run the child phase with every handler unprepared, so that each rebuilds
       // its subsystem (the registry's contract for a prepare that gave up).
-      if (!r.mu_.try_lock()) {
-        new (&r.mu_) std::mutex();
-        r.mu_.lock();
+      if (!r.mu_.TryLock()) {
+        r.mu_.ResetAfterFork();
+        r.mu_.Lock();
       }
       for (auto& e : r.entries_) e.prepared = false;
       r.framework_lock_taken_ = false;
       r.current_ = ForkReport{};
       r.current_.fork_number = t_fork_number;
       internal::SetInForkHandler(true);
+    } else {
+      r.mu_.AssertHeld();  // t_held: this thread took it in Prepare
     }
     t_held = false;
     r.Child();  // unlocks mu_
