@@ -14,6 +14,7 @@
 #include "forksafe/mp/internal/scm_rights.h"
 #include "forksafe/mp/internal/shm_sync.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/mutex.h"
 
 namespace forksafe::mp {
 namespace {
@@ -133,6 +134,20 @@ bool PollFd(int fd, short events, Timeout timeout, const char* what) {
 
 }  // namespace
 
+// One end's state, shared by the copies of a Connection in this process.
+struct Connection::State {
+  // The socket. Closed (reset) under both mutexes by close(), under recv_mu alone by a receive
+  // that cannot trust the rest of the stream; read without either by closed(), fileno() and
+  // poll(), whose answer may be stale by the time it is used (as a descriptor number always is).
+  // No one mutex guards it, so it carries no annotation.
+  FileDescriptor fd;
+  bool readable = false;  // set once, before the State is shared
+  bool writable = false;
+  size_t max_bytes = kDefaultMaxMessageBytes;
+  runtime::internal::Mutex send_mu;  // one sender at a time: frames are never interleaved
+  runtime::internal::Mutex recv_mu;  // one receiver at a time: frames are read whole
+};
+
 Connection::Connection(FileDescriptor socket, bool readable, bool writable)
     : state_(std::make_shared<State>()) {
   state_->fd = std::move(socket);
@@ -169,7 +184,7 @@ void Connection::SendMessage(const Message& msg) {
   fds.reserve(msg.fds.size());
   for (const FileDescriptor& f : msg.fds) fds.push_back(f.get());
   FrameHeader h{kFrameMagic, static_cast<uint32_t>(fds.size()), msg.bytes.size()};
-  std::lock_guard<std::mutex> lk(s.send_mu);
+  runtime::internal::MutexLock lk(&s.send_mu);
   const int sock = s.fd.get();
   if (msg.bytes.size() <= 64 * 1024) {
     // One write for header and payload: one system call for small messages.
@@ -206,7 +221,7 @@ Message Connection::RecvMessage(Timeout timeout) {
                 "recv: this end of the pipe is write-only (Pipe(duplex=false) returns "
                 "(reader, writer))");
   }
-  std::lock_guard<std::mutex> lk(s.recv_mu);
+  runtime::internal::MutexLock lk(&s.recv_mu);
   const int sock = s.fd.get();
   // The timeout bounds the whole message, not only its first byte: a peer that sent part of a
   // message and stalls (or whose end another process keeps open) must not hang the reader.
@@ -274,10 +289,13 @@ bool Connection::poll(Timeout timeout) const {
 void Connection::close() {
   if (!state_) return;
   // Take both locks so no send/recv is midway through the descriptor.
-  std::lock_guard<std::mutex> a(state_->send_mu);
-  std::lock_guard<std::mutex> b(state_->recv_mu);
+  runtime::internal::MutexLock a(&state_->send_mu);
+  runtime::internal::MutexLock b(&state_->recv_mu);
   state_->fd.reset();
 }
+
+bool Connection::readable() const { return state_ && state_->readable; }
+bool Connection::writable() const { return state_ && state_->writable; }
 
 bool Connection::closed() const { return !state_ || !state_->fd; }
 

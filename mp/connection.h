@@ -28,7 +28,6 @@
 #include <chrono>
 #include <cstddef>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -83,8 +82,8 @@ class Connection {
   /// Closes this end for every copy in this process. Idempotent.
   void close();
   bool closed() const;
-  bool readable() const { return state_ && state_->readable; }
-  bool writable() const { return state_ && state_->writable; }
+  bool readable() const;
+  bool writable() const;
   /// The socket descriptor (-1 when closed).
   int fileno() const;
 
@@ -105,15 +104,7 @@ class Connection {
   }
 
  private:
-  struct State {
-    FileDescriptor fd;
-    bool readable = false;
-    bool writable = false;
-    size_t max_bytes = kDefaultMaxMessageBytes;
-    std::mutex send_mu;
-    std::mutex recv_mu;
-    std::mutex close_mu;
-  };
+  struct State;  // connection.cc
   State& Live(const char* what) const;
   std::shared_ptr<State> state_;
 };

@@ -2,19 +2,20 @@
 
 #include <cstdio>
 #include <map>
-#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/mutex.h"
 
 namespace forksafe::mp::internal {
 namespace {
 
 struct Registry {
-  std::mutex mu;
-  std::map<std::string, EntryInvoker> by_name;
-  std::map<const void*, std::string> by_fn;
+  runtime::internal::Mutex mu;
+  // Entries are only ever added: a reference to one stays valid without the lock.
+  std::map<std::string, EntryInvoker> by_name ABSL_GUARDED_BY(mu);
+  std::map<const void*, std::string> by_fn ABSL_GUARDED_BY(mu);
 };
 
 Registry& Reg() {
@@ -31,7 +32,7 @@ Registry& Reg() {
 
 bool RegisterEntryPoint(const char* name, const void* fn, EntryInvoker invoker) {
   Registry& r = Reg();
-  std::lock_guard<std::mutex> lk(r.mu);
+  runtime::internal::MutexLock lk(&r.mu);
   auto it = r.by_name.find(name);
   if (it != r.by_name.end()) {
     if (r.by_fn.count(fn) && r.by_fn[fn] == name) return true;  // same function, twice
@@ -48,7 +49,7 @@ bool RegisterEntryPoint(const char* name, const void* fn, EntryInvoker invoker) 
 
 const EntryInvoker& FindEntryPoint(const std::string& name) {
   Registry& r = Reg();
-  std::lock_guard<std::mutex> lk(r.mu);
+  runtime::internal::MutexLock lk(&r.mu);
   auto it = r.by_name.find(name);
   if (it == r.by_name.end()) {
     throw runtime::Error(runtime::ErrorCode::kNotFound,
@@ -61,7 +62,7 @@ const EntryInvoker& FindEntryPoint(const std::string& name) {
 
 std::string EntryPointName(const void* fn) {
   Registry& r = Reg();
-  std::lock_guard<std::mutex> lk(r.mu);
+  runtime::internal::MutexLock lk(&r.mu);
   auto it = r.by_fn.find(fn);
   return it == r.by_fn.end() ? std::string() : it->second;
 }

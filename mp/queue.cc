@@ -12,7 +12,6 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -84,8 +83,9 @@ struct Queue::State {
   // another process could overwrite.
   uint64_t cap = 0;
   uint64_t carrier = 0;  // the queue's identity: its segment's inode (mp/internal/shm_manager.h)
-  std::mutex close_mu;
-  bool closed = false;
+  // close() in this process; read by every operation without a lock (nothing else goes with it,
+  // so an atomic, not a mutex).
+  std::atomic<bool> closed{false};
 
   internal::QueueShared* hdr() const { return static_cast<internal::QueueShared*>(seg.data()); }
   char* ring() const { return static_cast<char*>(seg.data()) + sizeof(internal::QueueShared); }
@@ -603,8 +603,7 @@ int64_t Queue::maxsize() const { return Live("Queue::maxsize").hdr()->maxsize; }
 
 void Queue::close() {
   if (!state_) return;
-  std::lock_guard<std::mutex> lk(state_->close_mu);
-  state_->closed = true;
+  state_->closed.store(true);
 }
 
 bool Queue::closed() const { return !state_ || state_->closed; }

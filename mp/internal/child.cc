@@ -13,12 +13,10 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <cxxabi.h>
 #include <memory>
-#include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -26,6 +24,7 @@
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/kept_resources.h"
+#include "forksafe/runtime/internal/mutex.h"
 
 extern char** environ;
 
@@ -37,9 +36,9 @@ using runtime::ErrorCode;
 
 // ---- lifeline ----
 struct Lifeline {
-  std::mutex mu;
-  int read_end = -1;
-  int write_end = -1;
+  runtime::internal::Mutex mu;
+  int read_end ABSL_GUARDED_BY(mu) = -1;
+  int write_end ABSL_GUARDED_BY(mu) = -1;
 };
 
 Lifeline& TheLifeline() {
@@ -51,13 +50,14 @@ Lifeline& TheLifeline() {
 const bool g_lifeline_handler = [] {
   runtime::HoldAcrossFork(&TheLifeline().mu, "mp_lifeline", [] {
     Lifeline& l = TheLifeline();
+    l.mu.AssertHeld();  // HoldAcrossFork runs this in the child with the mutex held
     if (l.read_end >= 0) ::close(l.read_end);
     if (l.write_end >= 0) ::close(l.write_end);
     l.read_end = l.write_end = -1;
   });
   runtime::internal::RegisterKeptResources("mp_lifeline", [](runtime::internal::KeptResources& k) {
     Lifeline& l = TheLifeline();
-    std::lock_guard<std::mutex> lk(l.mu);
+    runtime::internal::MutexLock lk(&l.mu);
     k.AddFd(l.read_end, "mp lifeline pipe (read end)");
     k.AddFd(l.write_end, "mp lifeline pipe (write end)");
   });
@@ -86,7 +86,7 @@ const std::string& Argv0() { return Argv0Storage(); }
 
 FileDescriptor LifelineReadEnd() {
   Lifeline& l = TheLifeline();
-  std::lock_guard<std::mutex> lk(l.mu);
+  runtime::internal::MutexLock lk(&l.mu);
   if (l.read_end < 0) {
     int p[2];
     if (pipe2(p, O_CLOEXEC) != 0) {
@@ -137,9 +137,9 @@ void WatchLifeline(FileDescriptor read_end) {
   fstat(fd, &st);
   const pid_t parent = getppid();
   struct Handshake {
-    std::mutex mu;
-    std::condition_variable cv;
-    int mode = 0;  // 1: private descriptor table, 2: the process's table
+    runtime::internal::Mutex mu;
+    runtime::internal::CondVar cv;
+    int mode ABSL_GUARDED_BY(mu) = 0;  // 1: private descriptor table, 2: the process's table
   };
   auto hs = std::make_shared<Handshake>();
   try {
@@ -151,10 +151,10 @@ void WatchLifeline(FileDescriptor read_end) {
       const bool private_table = unshare(CLONE_FILES) == 0;
       if (private_table) CloseAllInPrivateTableBut(fd);
       {
-        std::lock_guard<std::mutex> lk(hs->mu);
+        runtime::internal::MutexLock lk(&hs->mu);
         hs->mode = private_table ? 1 : 2;
       }
-      hs->cv.notify_all();
+      hs->cv.NotifyAll();
       if (private_table) {
         // By system call, as above: this copy of `fd` is the thread's alone, and the process's
         // copy is closed meanwhile, which the sanitizers (one table per process) would take for
@@ -190,8 +190,8 @@ void WatchLifeline(FileDescriptor read_end) {
     if (getppid() != parent) DieWithParent();
     return;
   }
-  std::unique_lock<std::mutex> lk(hs->mu);
-  hs->cv.wait(lk, [&] { return hs->mode != 0; });
+  runtime::internal::MutexLock lk(&hs->mu);
+  while (hs->mode == 0) hs->cv.Wait(&lk);
   if (hs->mode == 1) {
     read_end.reset();  // the watcher holds its own copy; this table keeps none
   } else {

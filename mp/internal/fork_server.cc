@@ -20,7 +20,6 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <string_view>
 #include <vector>
 
@@ -31,6 +30,7 @@
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/kept_resources.h"
+#include "forksafe/runtime/internal/mutex.h"
 
 namespace forksafe::mp::internal {
 namespace {
@@ -223,9 +223,9 @@ Received ReceiveRequest(Connection& requests, Message* msg) {
 }
 
 struct ForkServer {
-  std::mutex mu;
-  pid_t pid = 0;
-  Connection requests;
+  runtime::internal::Mutex mu;  // one request at a time: a request and its reply are a pair
+  pid_t pid ABSL_GUARDED_BY(mu) = 0;
+  Connection requests ABSL_GUARDED_BY(mu);
 };
 
 ForkServer& TheServer() {
@@ -238,13 +238,14 @@ const bool g_server_handler = [] {
   // was held across the fork, so no thread was using the socket: closing it is safe.
   runtime::HoldAcrossFork(&TheServer().mu, "mp_forkserver", [] {
     ForkServer& s = TheServer();
+    s.mu.AssertHeld();  // HoldAcrossFork runs this in the child with the mutex held
     s.requests.close();
     s.requests = Connection();
     s.pid = 0;
   });
   runtime::internal::RegisterKeptResources("mp_forkserver", [](runtime::internal::KeptResources& k) {
     ForkServer& s = TheServer();
-    std::lock_guard<std::mutex> lk(s.mu);
+    runtime::internal::MutexLock lk(&s.mu);
     k.AddChild(s.pid, "mp fork server");
     if (!s.requests.closed()) k.AddFd(s.requests.fileno(), "mp fork server socket");
   });
@@ -253,7 +254,7 @@ const bool g_server_handler = [] {
 
 // Forgets the server: closes its socket, kills it (a no-op when it is dead already) and reaps it.
 // It is our child and not reaped yet, so its pid cannot belong to another process. Holds s.mu.
-void ForgetServerLocked(ForkServer& s) {
+void ForgetServerLocked(ForkServer& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   s.requests.close();
   s.requests = Connection();
   if (s.pid > 0) {
@@ -272,7 +273,7 @@ void ForgetServerLocked(ForkServer& s) {
 
 // Reaps and forgets the server if it has exited (killed by the OOM killer or by hand), so that the
 // next request starts a fresh one instead of failing on its closed socket. Holds s.mu.
-void ForgetServerIfDeadLocked(ForkServer& s) {
+void ForgetServerIfDeadLocked(ForkServer& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   if (s.pid == 0) return;
   pid_t r;
   do {
@@ -287,13 +288,13 @@ void ForgetServerIfDeadLocked(ForkServer& s) {
 
 void ForkServerReapIfDead() {
   ForkServer& s = TheServer();
-  std::lock_guard<std::mutex> lk(s.mu);
+  runtime::internal::MutexLock lk(&s.mu);
   ForgetServerIfDeadLocked(s);
 }
 
 pid_t ForkServerRun(Message request) {
   ForkServer& s = TheServer();
-  std::lock_guard<std::mutex> lk(s.mu);
+  runtime::internal::MutexLock lk(&s.mu);
   ForgetServerIfDeadLocked(s);
   for (int attempt = 0;; ++attempt) {
     if (s.pid == 0) {

@@ -13,7 +13,6 @@
 #include <cstddef>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <set>
 #include <string>
 #include <utility>
@@ -26,6 +25,7 @@
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/kept_resources.h"
+#include "forksafe/runtime/internal/mutex.h"
 
 namespace forksafe::mp::internal {
 
@@ -57,12 +57,13 @@ namespace {
 constexpr size_t kMaxIdlePerManager = 16;
 
 struct Pool {
-  std::mutex mu;
-  pid_t pid = 0;  // the process whose connections `idle` holds
-  std::map<std::string, std::vector<Connection>> idle;  // by socket name
-  std::set<std::string> shut_down;                       // managers shut down by this process
+  runtime::internal::Mutex mu;
+  pid_t pid ABSL_GUARDED_BY(mu) = 0;  // the process whose connections `idle` holds
+  // by socket name
+  std::map<std::string, std::vector<Connection>> idle ABSL_GUARDED_BY(mu);
+  std::set<std::string> shut_down ABSL_GUARDED_BY(mu);  // managers shut down by this process
 
-  void CloseAllLocked() {
+  void CloseAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (auto& [name, conns] : idle) {
       for (Connection& c : conns) c.close();
     }
@@ -80,13 +81,14 @@ Pool& ThePool() {
 const bool g_handlers = [] {
   runtime::HoldAcrossFork(&ThePool().mu, "mp_manager_connections", [] {
     Pool& p = ThePool();
+    p.mu.AssertHeld();  // HoldAcrossFork runs this in the child with the mutex held
     p.CloseAllLocked();
     p.shut_down.clear();
     p.pid = 0;
   });
   runtime::internal::RegisterKeptResources("mp_manager_connections", nullptr, [] {
     Pool& p = ThePool();
-    std::lock_guard<std::mutex> lk(p.mu);
+    runtime::internal::MutexLock lk(&p.mu);
     p.CloseAllLocked();
   });
   return true;
@@ -101,7 +103,7 @@ std::string Who(const ManagerAddress& addr) {
   bool shut_down = false;
   {
     Pool& p = ThePool();
-    std::lock_guard<std::mutex> lk(p.mu);
+    runtime::internal::MutexLock lk(&p.mu);
     shut_down = p.pid == getpid() && p.shut_down.count(addr.socket_name) != 0;
   }
   throw Error(ErrorCode::kClosed,
@@ -160,7 +162,7 @@ Connection Connect(const ManagerAddress& addr, const std::string& what) {
 Connection TakeConnection(const ManagerAddress& addr, const std::string& what) {
   {
     Pool& p = ThePool();
-    std::lock_guard<std::mutex> lk(p.mu);
+    runtime::internal::MutexLock lk(&p.mu);
     if (p.pid != getpid()) {  // inherited without the at-fork handler: never use the parent's
       for (auto& [name, conns] : p.idle) {
         for (Connection& c : conns) c.close();
@@ -181,7 +183,7 @@ Connection TakeConnection(const ManagerAddress& addr, const std::string& what) {
 
 void GiveBack(const ManagerAddress& addr, Connection c) {
   Pool& p = ThePool();
-  std::lock_guard<std::mutex> lk(p.mu);
+  runtime::internal::MutexLock lk(&p.mu);
   if (p.pid != getpid() || p.shut_down.count(addr.socket_name) != 0) {
     c.close();
     return;
@@ -254,7 +256,7 @@ ManagerReply CallManager(const ManagerAddress& addr, ManagerRequest& req,
 
 void ForgetManager(const std::string& socket_name, bool shut_down) {
   Pool& p = ThePool();
-  std::lock_guard<std::mutex> lk(p.mu);
+  runtime::internal::MutexLock lk(&p.mu);
   if (p.pid != getpid()) {
     p.CloseAllLocked();
     p.shut_down.clear();
@@ -270,7 +272,7 @@ void ForgetManager(const std::string& socket_name, bool shut_down) {
 
 size_t IdleManagerConnections() {
   Pool& p = ThePool();
-  std::lock_guard<std::mutex> lk(p.mu);
+  runtime::internal::MutexLock lk(&p.mu);
   size_t n = 0;
   for (const auto& [name, conns] : p.idle) n += conns.size();
   return n;

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstddef>
 #include <cstring>
@@ -18,7 +17,6 @@
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -32,6 +30,7 @@
 #include "forksafe/mp/internal/manager_protocol.h"
 #include "forksafe/mp/internal/server_auth.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/mutex.h"
 
 namespace forksafe::mp::internal {
 namespace {
@@ -86,7 +85,7 @@ struct Call {
   const ManagerRequest& req;
   int fd;
   std::optional<Clock::time_point> deadline;
-  std::unique_lock<std::mutex>* lk;
+  runtime::internal::MutexLock* lk;  // the Server's, held for the whole call
   bool Owns(const Object& o) const {
     return o.depth > 0 && o.owner_pid == req.pid && o.owner_tid == req.tid;
   }
@@ -103,8 +102,8 @@ class Server {
  public:
   explicit Server(std::string name) : name_(std::move(name)) {}
 
-  void Handle(const ManagerRequest& req, ManagerReply& out, int fd) {
-    std::unique_lock<std::mutex> lk(mu_);
+  void Handle(const ManagerRequest& req, ManagerReply& out, int fd) ABSL_LOCKS_EXCLUDED(mu_) {
+    runtime::internal::MutexLock lk(&mu_);
     Call c{req, fd, std::nullopt, &lk};
     if (req.timeout >= 0) {
       if (req.timeout < 1e9) {
@@ -134,14 +133,14 @@ class Server {
                         ": the proxy was decoded as the wrong proxy type"));
     }
     struct NotifyAll {  // also when the operation throws (a barrier broken by a timeout)
-      std::condition_variable& cv;
-      ~NotifyAll() { cv.notify_all(); }
+      runtime::internal::CondVar& cv;
+      ~NotifyAll() { cv.NotifyAll(); }
     } notify{cv_};
     Dispatch(c, o, out);
   }
 
  private:
-  uint64_t Create(const ManagerRequest& req) {
+  uint64_t Create(const ManagerRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto o = std::make_unique<Object>();
     o->kind = req.kind;
     auto arg = [&](size_t i) -> int64_t {
@@ -223,13 +222,14 @@ class Server {
 
   // Waits (releasing mu_) until pred() holds or the call's deadline passes; returns pred().
   template <class Pred>
-  bool WaitFor(std::unique_lock<std::mutex>& lk, const Call& c, Pred pred) {
+  bool WaitFor(runtime::internal::MutexLock& lk, const Call& c, Pred pred)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     while (!pred()) {
       const auto now = Clock::now();
       if (c.deadline && now >= *c.deadline) return pred();
       auto until = now + kWaitSlice;
       if (c.deadline && *c.deadline < until) until = *c.deadline;
-      cv_.wait_until(lk, until);
+      cv_.WaitUntil(&lk, until);
       if (!pred() && ClientGoneNow(c.fd)) throw ClientGone{};
     }
     return true;
@@ -254,7 +254,7 @@ class Server {
     }
   }
 
-  bool LockAcquire(Call& c, Object& l, const char* what) {
+  bool LockAcquire(Call& c, Object& l, const char* what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const bool recursive = l.kind == ManagedKind::kRLock;
     if (c.Owns(l)) {
       if (recursive) {
@@ -287,7 +287,7 @@ class Server {
     if (--l.depth == 0) l.owner_pid = 0, l.owner_tid = 0;
   }
 
-  void Dispatch(Call& c, Object& o, ManagerReply& out) {
+  void Dispatch(Call& c, Object& o, ManagerReply& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const ManagerRequest& r = c.req;
     auto bad_op = [&] {
       Fail(ErrorCode::kInvalidArgument,
@@ -509,7 +509,7 @@ class Server {
     }
   }
 
-  void Sync(Call& c, Object& o, ManagerReply& out) {
+  void Sync(Call& c, Object& o, ManagerReply& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const bool acquire = c.req.op == ManagerOp::kAcquire;
     switch (o.kind) {
       case ManagedKind::kLock:
@@ -552,7 +552,7 @@ class Server {
     }
   }
 
-  void Condition(Call& c, Object& o, ManagerReply& out) {
+  void Condition(Call& c, Object& o, ManagerReply& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Object& l = *objects_.at(o.lock_id);
     if (!c.Owns(l)) {
       Fail(ErrorCode::kFailedPrecondition,
@@ -573,7 +573,7 @@ class Server {
     l.depth = 0, l.owner_pid = 0, l.owner_tid = 0;
     const uint64_t ticket = ++next_ticket_;
     o.waiters.push_back(ticket);
-    cv_.notify_all();
+    cv_.NotifyAll();
     auto was_notified = [&] {
       return std::find(o.notified.begin(), o.notified.end(), ticket) != o.notified.end();
     };
@@ -594,7 +594,7 @@ class Server {
     out.ints.push_back(notified ? 1 : 0);
   }
 
-  void Barrier(Call& c, Object& o, ManagerReply& out) {
+  void Barrier(Call& c, Object& o, ManagerReply& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     switch (c.req.op) {
       case ManagerOp::kBarrierAbort:
         o.broken = true;
@@ -646,12 +646,13 @@ class Server {
   }
 
  private:
-  std::mutex mu_;
-  std::string name_;
-  std::condition_variable cv_;
-  std::unordered_map<uint64_t, std::unique_ptr<Object>> objects_;
-  uint64_t next_id_ = 0;
-  uint64_t next_ticket_ = 0;
+  // Every call runs under mu_ (waits release it); the Objects are reached only through objects_.
+  runtime::internal::Mutex mu_;
+  const std::string name_;
+  runtime::internal::CondVar cv_;  // any object changed: waiters re-check their condition
+  std::unordered_map<uint64_t, std::unique_ptr<Object>> objects_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Serves one client connection until it closes, sends garbage or fails the handshake.

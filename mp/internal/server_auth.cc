@@ -13,6 +13,7 @@
 #include "forksafe/mp/internal/child.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/mutex.h"
 #include "forksafe/runtime/internal/random.h"
 
 namespace forksafe::mp::internal {
@@ -53,12 +54,14 @@ namespace {
 
 // The handoff's state: its mutex is held by a live SecretHandoff and across every fork.
 struct Handoffs {
-  std::mutex mu;
+  // Held by the live SecretHandoff for its whole life (its lock_, on mu.native(): the analysis
+  // cannot follow a lock kept in a member, so its methods assert it).
+  runtime::internal::Mutex mu;
   // The files of the live handoff (the pipe, and what Guard() added), so that copies made by
   // dup are found too.
-  int open = 0;
-  dev_t dev[2] = {0, 0};
-  ino_t ino[2] = {0, 0};
+  int open ABSL_GUARDED_BY(mu) = 0;
+  dev_t dev[2] ABSL_GUARDED_BY(mu) = {0, 0};
+  ino_t ino[2] ABSL_GUARDED_BY(mu) = {0, 0};
 };
 
 Handoffs& TheHandoffs() {
@@ -67,6 +70,7 @@ Handoffs& TheHandoffs() {
     runtime::HoldAcrossFork(&state->mu, "mp secret pipes", [state] {
       // The fork could not wait for a live handoff (its prepare gave up): close every copy of
       // the secret pipe this child got. Async-signal-safe calls only.
+      state->mu.AssertHeld();  // HoldAcrossFork runs this in the child with the mutex held
       if (!state->open) return;
       struct rlimit rl;
       int max_fd = 65536;
@@ -89,7 +93,8 @@ Handoffs& TheHandoffs() {
 
 }  // namespace
 
-SecretHandoff::SecretHandoff(const std::string& secret) : lock_(TheHandoffs().mu) {
+SecretHandoff::SecretHandoff(const std::string& secret) : lock_(TheHandoffs().mu.native()) {
+  TheHandoffs().mu.AssertHeld();  // lock_ holds it
   TheHandoffs().open = 0;
   pipe_ = SecretPipe(secret);
   Guard(pipe_.get());
@@ -97,6 +102,7 @@ SecretHandoff::SecretHandoff(const std::string& secret) : lock_(TheHandoffs().mu
 
 void SecretHandoff::Guard(int fd) {
   Handoffs& h = TheHandoffs();
+  h.mu.AssertHeld();  // a live handoff's lock_ holds it
   struct stat st;
   if (h.open < 2 && fstat(fd, &st) == 0) {
     h.dev[h.open] = st.st_dev;
@@ -107,6 +113,7 @@ void SecretHandoff::Guard(int fd) {
 
 SecretHandoff::~SecretHandoff() {
   pipe_.reset();
+  TheHandoffs().mu.AssertHeld();  // lock_ holds it until the members are destroyed
   TheHandoffs().open = 0;
 }
 

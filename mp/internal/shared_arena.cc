@@ -23,6 +23,7 @@
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/kept_resources.h"
 #include "forksafe/runtime/internal/memory_bounds.h"
+#include "forksafe/runtime/internal/mutex.h"
 #include "forksafe/runtime/internal/random.h"
 
 namespace forksafe::mp::internal {
@@ -115,24 +116,29 @@ class Segment {
   }
 };
 
+// The allocator's state, all under mu. (A Segment's own bookkeeping, live_blocks and
+// lingering, is changed under the arena's mu too; it is not annotated, being another object's.)
 struct SharedArena::Impl {
-  std::mutex mu;
-  std::vector<std::shared_ptr<Segment>> owned;            // this process's segments
+  runtime::internal::Mutex mu;
+  std::vector<std::shared_ptr<Segment>> owned ABSL_GUARDED_BY(mu);  // this process's segments
   // Dedicated named segments of this process whose last block here was dropped while references
   // remained elsewhere (in flight, or in other processes): kept until those go (the process that
   // drops the count to zero unlinks the name) or are found dead (EmptyCache), so that such a
   // segment is never left in /dev/shm for the creator's lifetime.
-  std::vector<std::shared_ptr<Segment>> lingering;
-  std::map<size_t, std::vector<std::pair<std::weak_ptr<Segment>, uint64_t>>> free_bins;
-  std::deque<std::pair<std::weak_ptr<Segment>, uint64_t>> pending;  // freed here, held elsewhere
-  std::set<std::pair<const Segment*, uint64_t>> pending_set;          // what `pending` holds
-  std::map<std::string, std::weak_ptr<Segment>> imported;  // every segment mapped here, by key
+  std::vector<std::shared_ptr<Segment>> lingering ABSL_GUARDED_BY(mu);
+  std::map<size_t, std::vector<std::pair<std::weak_ptr<Segment>, uint64_t>>> free_bins
+      ABSL_GUARDED_BY(mu);
+  // freed here, held elsewhere
+  std::deque<std::pair<std::weak_ptr<Segment>, uint64_t>> pending ABSL_GUARDED_BY(mu);
+  std::set<std::pair<const Segment*, uint64_t>> pending_set ABSL_GUARDED_BY(mu);  // `pending`'s
+  // every segment mapped here, by key
+  std::map<std::string, std::weak_ptr<Segment>> imported ABSL_GUARDED_BY(mu);
   // The segments imported most recently, kept mapped even when no block of theirs is alive, so
   // that a consumer receiving tensor after tensor from one segment does not map and unmap it
   // each time.
-  std::deque<std::shared_ptr<Segment>> recent;
-  size_t next_segment = kMinSegment;
-  ArenaStats stats;
+  std::deque<std::shared_ptr<Segment>> recent ABSL_GUARDED_BY(mu);
+  size_t next_segment ABSL_GUARDED_BY(mu) = kMinSegment;
+  ArenaStats stats ABSL_GUARDED_BY(mu);
 };
 
 namespace {
@@ -216,7 +222,10 @@ SharedArena::SharedArena() : impl_(new Impl()) {
     return runtime::LockForFork(impl_->mu, attempt);
   };
   h.parent = [this](bool prepared) {
-    if (prepared) impl_->mu.unlock();
+    if (prepared) {
+      impl_->mu.AssertHeld();  // the prepare took it
+      impl_->mu.Unlock();
+    }
   };
   h.child = [this](bool prepared) {
     // runtime::ForkGeneration() moved on before this ran: blocks and segments made before the
@@ -230,6 +239,7 @@ SharedArena::SharedArena() : impl_(new Impl()) {
       impl_ = new Impl();
       return;
     }
+    impl_->mu.AssertHeld();  // the prepare took it, and this is the child's only thread
     // Keep the parent's segments mapped (tensors inherited by the child point into them) but
     // stop allocating from them: move them to the imported set.
     for (auto& seg : impl_->owned) {
@@ -252,7 +262,7 @@ SharedArena::SharedArena() : impl_(new Impl()) {
     new (&impl_->pending) Pending();
     new (&impl_->pending_set) PendingSet();
     new (&impl_->lingering) Segments();  // the parent's to unlink, not ours
-    impl_->mu.unlock();
+    impl_->mu.Unlock();
   };
   runtime::AtForkRegistry::Get().Register(&tag, std::move(h));
   // The arena keeps nothing for the life of the process; its caches go on request
@@ -261,7 +271,7 @@ SharedArena::SharedArena() : impl_(new Impl()) {
 }
 
 std::unique_lock<std::mutex> SharedArena::LockForTesting() {
-  return std::unique_lock<std::mutex>(impl_->mu);
+  return std::unique_lock<std::mutex>(impl_->mu.native());
 }
 
 std::string SharedArena::NamePrefix() { return absl::StrCat("/forksafe_", getpid(), "_"); }
@@ -273,7 +283,7 @@ namespace {
 // for being held only by dead queues.
 using Candidates = std::vector<std::pair<std::shared_ptr<Segment>, RefSnapshot>>;
 
-Candidates NeedingScan(SharedArena::Impl& a) {
+Candidates NeedingScan(SharedArena::Impl& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
   Candidates out;
   for (auto* list : {&a.owned, &a.lingering}) {
     for (auto& seg : *list) {
@@ -292,7 +302,8 @@ Candidates NeedingScan(SharedArena::Impl& a) {
 // file_system), outside the lock where it can.
 std::vector<std::shared_ptr<Segment>> TakeUnusedSegments(SharedArena::Impl& a,
                                                          const Candidates& candidates,
-                                                         const ProcScan* scan) {
+                                                         const ProcScan* scan)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
   std::vector<std::shared_ptr<Segment>> out;
   for (auto* list : {&a.owned, &a.lingering}) {
     for (auto it = list->begin(); it != list->end();) {
@@ -323,7 +334,8 @@ std::vector<std::shared_ptr<Segment>> TakeUnusedSegments(SharedArena::Impl& a,
 
 // Drops the dedicated segments of `a.lingering` whose count reached zero (their names went with
 // the last reference): moved to `out`, for the caller to unmap outside the lock. No scan.
-void TakeFinishedLingering(SharedArena::Impl& a, std::vector<std::shared_ptr<Segment>>& out) {
+void TakeFinishedLingering(SharedArena::Impl& a, std::vector<std::shared_ptr<Segment>>& out)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
   for (auto it = a.lingering.begin(); it != a.lingering.end();) {
     if ((*it)->header()->live_refs.load() == 0) {
       out.push_back(std::move(*it));
@@ -338,10 +350,11 @@ void TakeFinishedLingering(SharedArena::Impl& a, std::vector<std::shared_ptr<Seg
 // (segments whose blocks are all free, or held only by dead queues; the scan of /proc for those
 // runs with the lock released), start again from the smallest segment size, and try once more
 // with the least size that serves the request. Pressure that went away does not leave the arena
-// failing (the size does not grow on failures).
-std::shared_ptr<Segment> CreateWithRecovery(SharedArena::Impl& a, std::unique_lock<std::mutex>& lk,
-                                            size_t& size, size_t least, SegmentKind kind,
-                                            uint32_t flags) {
+// failing (the size does not grow on failures). Called with a.mu held (the caller's MutexLock),
+// which it releases around the scan and takes again before it returns or throws.
+std::shared_ptr<Segment> CreateWithRecovery(SharedArena::Impl& a, size_t& size, size_t least,
+                                            SegmentKind kind, uint32_t flags)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
   try {
     return CreateSegment(size, kind, flags);
   } catch (const Error& e) {
@@ -349,9 +362,14 @@ std::shared_ptr<Segment> CreateWithRecovery(SharedArena::Impl& a, std::unique_lo
     Candidates candidates = NeedingScan(a);
     std::optional<ProcScan> scan;
     if (!candidates.empty()) {
-      lk.unlock();  // never scan /proc with the lock held: it would stall every allocation
-      scan = ScanProc();
-      lk.lock();
+      a.mu.Unlock();  // never scan /proc with the lock held: it would stall every allocation
+      try {
+        scan = ScanProc();
+      } catch (...) {
+        a.mu.Lock();  // the caller's MutexLock releases it
+        throw;
+      }
+      a.mu.Lock();
     }
     std::vector<std::shared_ptr<Segment>> unused =
         TakeUnusedSegments(a, candidates, scan ? &*scan : nullptr);
@@ -382,9 +400,10 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
   const size_t cls = SizeClass(std::max<size_t>(bytes, 1));
   Impl& a = *impl_;
   std::vector<std::shared_ptr<Segment>> finished;  // unmapped after the lock is released
-  std::unique_lock<std::mutex> lk(a.mu);
+  runtime::internal::MutexLock lk(&a.mu);
   TakeFinishedLingering(a, finished);
   auto make = [&](const std::shared_ptr<Segment>& seg, uint64_t off) {
+    a.mu.AssertHeld();  // called only below, under lk
     BlockHeader* b = seg->block(off);
     b->refs.store(1);
     seg->header()->live_refs.fetch_add(1);
@@ -439,7 +458,7 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
     const size_t least =
         runtime::internal::RoundUpOrThrow(kHeaderBytes + need, 4096, "shared memory");
     size_t seg_size = std::max(a.next_segment, least);
-    auto seg = CreateWithRecovery(a, lk, seg_size, least, kind, 0);
+    auto seg = CreateWithRecovery(a, seg_size, least, kind, 0);
     a.next_segment = std::min(std::max(a.next_segment, seg_size) * 2, kMaxSegment);
     ++a.stats.segments_created;
     a.stats.bytes_reserved += seg_size;
@@ -455,7 +474,7 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
   // A dedicated segment (large block, or caching disabled).
   size_t seg_size = runtime::internal::RoundUpOrThrow(
       kHeaderBytes + kBlockHeader + std::max<size_t>(bytes, 1), 4096, "shared memory");
-  auto seg = CreateWithRecovery(a, lk, seg_size, seg_size, kind, kSegmentDedicated);
+  auto seg = CreateWithRecovery(a, seg_size, seg_size, kind, kSegmentDedicated);
   seg->dedicated = true;
   ++a.stats.segments_created;
   a.stats.bytes_reserved += seg_size;
@@ -531,7 +550,7 @@ std::shared_ptr<SharedBlock> SharedArena::Import(SharedBlock::Handle h) {
   };
   CheckHandle(h);
   Impl& a = *impl_;
-  std::lock_guard<std::mutex> lk(a.mu);
+  runtime::internal::MutexLock lk(&a.mu);
   const std::string key = SegmentKey(h.kind, h.segment_id);
   std::shared_ptr<Segment> seg;
   if (auto it = a.imported.find(key); it != a.imported.end()) seg = it->second.lock();
@@ -590,14 +609,14 @@ void SharedArena::EmptyCache() {
   // fork prepare), then the verdicts are applied under the lock again.
   Candidates candidates;
   {
-    std::lock_guard<std::mutex> lk(impl_->mu);
+    runtime::internal::MutexLock lk(&impl_->mu);
     candidates = NeedingScan(*impl_);
   }
   std::optional<ProcScan> scan;
   if (!candidates.empty()) scan = ScanProc();
   std::vector<std::shared_ptr<Segment>> unused;
   {
-    std::lock_guard<std::mutex> lk(impl_->mu);
+    runtime::internal::MutexLock lk(&impl_->mu);
     unused = TakeUnusedSegments(*impl_, candidates, scan ? &*scan : nullptr);
     if (!unused.empty()) impl_->next_segment = kMinSegment;
   }
@@ -608,14 +627,14 @@ void SharedArena::ReleaseCaches() {
   EmptyCache();
   std::deque<std::shared_ptr<Segment>> recent;
   {
-    std::lock_guard<std::mutex> lk(impl_->mu);
+    runtime::internal::MutexLock lk(&impl_->mu);
     recent.swap(impl_->recent);
   }
   // Unmapped here, outside the lock, unless a live block still holds the segment.
 }
 
 ArenaStats SharedArena::stats() const {
-  std::lock_guard<std::mutex> lk(impl_->mu);
+  runtime::internal::MutexLock lk(&impl_->mu);
   ArenaStats s = impl_->stats;
   s.live_segments = 0;
   for (auto& [k, w] : impl_->imported) s.live_segments += !w.expired();
@@ -645,7 +664,7 @@ SharedBlock::~SharedBlock() {
   if (!seg_->OwnedHere()) return;  // only the creator's allocator reuses blocks
   SharedArena::Impl& a = *SharedArena::Get().impl_;
   std::vector<std::shared_ptr<Segment>> finished;  // unmapped after the lock is released
-  std::lock_guard<std::mutex> lk(a.mu);
+  runtime::internal::MutexLock lk(&a.mu);
   if (allocated_here_) --seg_->live_blocks;
   if (dedicated) {
     // The creator's last block is gone but references remain elsewhere: keep the segment on the

@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -24,6 +23,7 @@
 #include "forksafe/mp/internal/server_auth.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/internal/kept_resources.h"
+#include "forksafe/runtime/internal/mutex.h"
 #include "forksafe/runtime/internal/process_liveness.h"
 
 namespace forksafe::mp::internal {
@@ -31,9 +31,9 @@ namespace forksafe::mp::internal {
 namespace {
 
 struct Client {
-  std::mutex mu;
-  pid_t pid = 0;
-  Connection conn;
+  runtime::internal::Mutex mu;
+  pid_t pid ABSL_GUARDED_BY(mu) = 0;  // the shm manager's (0: none started)
+  Connection conn ABSL_GUARDED_BY(mu);
 };
 
 Client& TheClient() {
@@ -46,13 +46,14 @@ Client& TheClient() {
 const bool g_handler = [] {
   runtime::HoldAcrossFork(&TheClient().mu, "mp_shm_manager", [] {
     Client& c = TheClient();
+    c.mu.AssertHeld();  // HoldAcrossFork runs this in the child with the mutex held
     c.conn.close();
     c.conn = Connection();
     c.pid = 0;
   });
   runtime::internal::RegisterKeptResources("mp_shm_manager", [](runtime::internal::KeptResources& k) {
     Client& c = TheClient();
-    std::lock_guard<std::mutex> lk(c.mu);
+    runtime::internal::MutexLock lk(&c.mu);
     k.AddChild(c.pid, "mp shm manager");
     if (!c.conn.closed()) k.AddFd(c.conn.fileno(), "mp shm manager socket");
   });
@@ -353,7 +354,7 @@ int SweepOrphanedSegments() {
 
 void ShmManagerTrack(const std::string& name) {
   Client& c = TheClient();
-  std::lock_guard<std::mutex> lk(c.mu);
+  runtime::internal::MutexLock lk(&c.mu);
   try {
     if (c.pid == 0) {
       c.conn = SpawnServer(kShmManagerFlag, &c.pid);
@@ -366,8 +367,9 @@ void ShmManagerTrack(const std::string& name) {
 }
 
 pid_t ShmManagerPid() {
-  std::lock_guard<std::mutex> lk(TheClient().mu);
-  return TheClient().pid;
+  Client& c = TheClient();
+  runtime::internal::MutexLock lk(&c.mu);
+  return c.pid;
 }
 
 std::optional<std::string> DecodeTrackRequest(Message& msg) {
