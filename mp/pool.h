@@ -102,9 +102,6 @@
 
 #include <sys/types.h>
 
-#include <algorithm>
-#include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -112,12 +109,10 @@
 #include <functional>
 #include <iterator>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
-#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -125,7 +120,9 @@
 #include "forksafe/mp/codec.h"
 #include "forksafe/mp/internal/pool_call.h"
 #include "forksafe/mp/internal/pool_job.h"
+#include "forksafe/mp/internal/pool_results.h"
 #include "forksafe/mp/process.h"
+#include "forksafe/mp/start_method.h"
 #include "forksafe/mp/timeout.h"
 #include "forksafe/runtime/error.h"
 
@@ -175,8 +172,10 @@ struct PoolOptions {
   std::function<void()> initializer;
   /// Tasks (chunks) a worker runs before it is replaced by a fresh one; 0 means no limit.
   int maxtasksperchild = 0;
-  /// "" means get_start_method().
-  std::string start_method;
+  /// How workers start; the default (or "") means get_start_method() when the pool is built.
+  /// Python's names convert: `options.start_method = "spawn"` (an unknown name throws
+  /// kInvalidArgument there).
+  StartMethod start_method;
   /// A name for worker processes and messages; "" means "Pool-N".
   std::string name;
 
@@ -228,22 +227,6 @@ Callbacks(A) -> Callbacks<A, std::nullptr_t>;
 template <class A, class B>
 Callbacks(A, B) -> Callbacks<A, B>;
 
-namespace internal {
-
-template <class T>
-struct IsCallbacks : std::false_type {};
-template <class A, class B>
-struct IsCallbacks<Callbacks<A, B>> : std::true_type {};
-
-// Whether the last of a pack is a Callbacks.
-template <class... Ts>
-struct LastIsCallbacks : std::false_type {};
-template <class T, class... Ts>
-struct LastIsCallbacks<T, Ts...>
-    : IsCallbacks<std::decay_t<std::tuple_element_t<sizeof...(Ts), std::tuple<T, Ts...>>>> {};
-
-}  // namespace internal
-
 /// The result of an asynchronous call (map_async, starmap_async, apply_async).
 template <class R>
 class AsyncResult {
@@ -261,7 +244,7 @@ class AsyncResult {
       s.job->ThrowTimeout("AsyncResult::get", timeout);
     }
     if (std::exception_ptr e = s.job->first_error()) std::rethrow_exception(e);
-    std::lock_guard<std::mutex> lk(s.mu);
+    runtime::internal::MutexLock lk(&s.mu);
     R& v = s.ValueLocked();
     if constexpr (std::is_copy_constructible_v<R>) {
       return v;
@@ -271,8 +254,8 @@ class AsyncResult {
   }
   /// Waits at most `timeout` until the result is ready; returns whether it is.
   bool wait(Timeout timeout = std::nullopt) {
-    return Live("AsyncResult::wait").job->WaitReady(
-        internal::ToPoolDeadline(timeout, "AsyncResult::wait"));
+    return Live("AsyncResult::wait")
+        .job->WaitReady(internal::ToPoolDeadline(timeout, "AsyncResult::wait"));
   }
   /// True once the call completed (or failed).
   bool ready() const { return Live("AsyncResult::ready").job->ready(); }
@@ -290,55 +273,12 @@ class AsyncResult {
 
  private:
   friend class Pool;
-  struct State {
-    std::shared_ptr<internal::JobState> job;
-    std::function<R(internal::JobState&)> assemble;
-    std::mutex mu;
-    std::optional<R> value;
-    std::exception_ptr assemble_error;
-    // The decoded result, assembled once (under mu); throws what assembling threw.
-    R& ValueLocked() {
-      if (value) return *value;
-      if (assemble_error) std::rethrow_exception(assemble_error);
-      try {
-        value.emplace(assemble(*job));
-      } catch (...) {
-        assemble_error = std::current_exception();
-        throw;
-      }
-      return *value;
-    }
-  };
+  using State = internal::AsyncResultState<R>;
   AsyncResult(std::shared_ptr<internal::JobState> job,
               std::function<R(internal::JobState&)> assemble)
       : state_(std::make_shared<State>()) {
     state_->job = std::move(job);
     state_->assemble = std::move(assemble);
-  }
-  // Makes the job's callback: assembles the result and calls on_result, or calls on_error. It
-  // holds the state until it has run (the job drops it then).
-  template <class A, class B>
-  static std::function<void()> MakeCallback(std::shared_ptr<State> st, Callbacks<A, B> cbs) {
-    return [st = std::move(st), cbs = std::move(cbs)]() mutable {
-      std::exception_ptr err = st->job->first_error();
-      R* v = nullptr;
-      if (!err) {
-        try {
-          std::lock_guard<std::mutex> lk(st->mu);
-          v = &st->ValueLocked();
-        } catch (...) {
-          err = std::current_exception();
-        }
-      }
-      if (err) {
-        internal::CallOnError(cbs.on_error, err);
-      } else if constexpr (!std::is_same_v<A, std::nullptr_t>) {
-        static_assert(std::is_invocable_v<A&, const R&>,
-                      "Callbacks: on_result must be callable with the call's result (const R&; "
-                      "for map_async the std::vector of results)");
-        cbs.on_result(static_cast<const R&>(*v));
-      }
-    };
   }
   State& Live(const char* call) const {
     if (!state_) {
@@ -359,23 +299,18 @@ class ResultIterator {
   ResultIterator(ResultIterator&&) noexcept = default;
   ResultIterator& operator=(ResultIterator&& o) noexcept {
     if (this != &o) {
-      SealFeed();
+      input_ = std::move(o.input_);  // seals this one's lazy input first
       job_ = std::move(o.job_);
-      ordered_ = o.ordered_;
+      order_ = o.order_;
       cursor_ = o.cursor_;
       buffer_ = std::move(o.buffer_);
-      feed_ = std::move(o.feed_);
-      read_ = std::move(o.read_);
-      window_ = o.window_;
-      added_ = o.added_;
-      input_error_ = std::move(o.input_error_);
     }
     return *this;
   }
   ResultIterator(const ResultIterator&) = delete;
   ResultIterator& operator=(const ResultIterator&) = delete;
   /// A lazy imap's input is not read further; chunks already submitted still run.
-  ~ResultIterator() { SealFeed(); }
+  ~ResultIterator() = default;
 
   /// The next result, waiting at most `timeout`; nullopt once all were returned. Throws
   /// Error(kDeadlineExceeded) on timeout (nothing is consumed then), and a failed chunk's error
@@ -385,14 +320,14 @@ class ResultIterator {
   std::optional<R> next(Timeout timeout = std::nullopt) {
     const internal::PoolDeadline deadline =
         internal::ToPoolDeadline(timeout, "ResultIterator::next");
-    TopUp();
+    input_.TopUp(cursor_);
     while (buffer_.empty()) {
-      if (cursor_ >= added_) {
-        if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
+      if (cursor_ >= input_.added()) {
+        if (std::exception_ptr e = input_.TakeError()) std::rethrow_exception(e);
         return std::nullopt;
       }
       size_t chunk = cursor_;
-      if (ordered_) {
+      if (order_ == internal::ResultOrder::kInput) {
         if (!job_->WaitChunk(cursor_, deadline)) {
           job_->ThrowTimeout("ResultIterator::next", timeout);
         }
@@ -404,8 +339,8 @@ class ResultIterator {
       ++cursor_;
       std::exception_ptr e = job_->error(chunk);
       Message m = e ? Message() : job_->TakeResult(chunk);
-      if (window_ > 0) job_->Release(chunk);  // lazy: the record is not kept
-      TopUp();
+      if (input_.window() > 0) job_->Release(chunk);  // lazy: the record is not kept
+      input_.TopUp(cursor_);
       if (e) std::rethrow_exception(e);
       std::vector<R> items = DecodeAs<std::vector<R>>(m);
       for (R& r : items) buffer_.push_back(std::move(r));
@@ -417,7 +352,7 @@ class ResultIterator {
 
   /// Chunks a lazy imap keeps submitted ahead of the consumer (0 for an imap over a vector,
   /// whose chunks were all submitted at once).
-  size_t window() const { return window_; }
+  size_t window() const { return input_.window(); }
 
   /// Range-for support: `for (int r : pool.imap(&Square, xs)) ...` (errors throw from ++).
   class iterator {
@@ -448,57 +383,24 @@ class ResultIterator {
 
  private:
   friend class Pool;
-  ResultIterator(std::shared_ptr<internal::JobState> job, bool ordered)
-      : job_(std::move(job)), ordered_(ordered), added_(job_->num_chunks()) {}
-  ResultIterator(std::shared_ptr<internal::JobState> job, bool ordered,
-                 std::unique_ptr<internal::LazyFeed> feed, internal::ChunkReader read,
-                 size_t window)
-      : job_(std::move(job)),
-        ordered_(ordered),
-        feed_(std::move(feed)),
-        read_(std::move(read)),
-        window_(window) {
-    TopUp();
-  }
-
-  // Lazy: reads and submits chunks until `window_` are ahead of the consumer or the input ends.
-  void TopUp() {
-    while (feed_ && added_ - cursor_ < window_) {
-      std::optional<std::pair<Message, size_t>> c;
-      try {
-        c = read_();
-        if (c) feed_->Submit(std::move(c->first), c->second);
-      } catch (...) {
-        input_error_ = std::current_exception();
-        c.reset();
-      }
-      if (!c) {
-        SealFeed();
-        return;
-      }
-      ++added_;
-    }
-  }
-  void SealFeed() {
-    if (!feed_) return;
-    try {
-      feed_->Seal();
-    } catch (...) {
-    }
-    feed_.reset();
-    read_ = nullptr;
+  ResultIterator(std::shared_ptr<internal::JobState> job, internal::ResultOrder order)
+      : job_(std::move(job)), order_(order), input_(job_->num_chunks()) {}
+  ResultIterator(std::shared_ptr<internal::JobState> job, internal::ResultOrder order,
+                 internal::IteratorInput lazy_input)
+      : job_(std::move(job)), order_(order), input_(std::move(lazy_input)) {
+    input_.TopUp(cursor_);
   }
 
   std::shared_ptr<internal::JobState> job_;
-  bool ordered_;
-  size_t cursor_ = 0;
+  internal::ResultOrder order_;
+  size_t cursor_ = 0;  // chunks consumed
   std::deque<R> buffer_;
-  std::unique_ptr<internal::LazyFeed> feed_;
-  internal::ChunkReader read_;
-  size_t window_ = 0;
-  size_t added_ = 0;
-  std::exception_ptr input_error_;
+  internal::IteratorInput input_;  // last: sealed first when the iterator goes
 };
+
+namespace internal {
+class PoolDispatcher;  // mp/internal/pool_dispatcher.h: the parent side of a Pool
+}  // namespace internal
 
 /// A pool of worker processes. See the file comment.
 class Pool {
@@ -533,15 +435,17 @@ class Pool {
   }
   template <class F, class T, class A, class B>
   auto map_async(F&& fn, const std::vector<T>& inputs, int chunksize, Callbacks<A, B> callbacks) {
+    constexpr internal::CallForm kForm = internal::CallForm::kElement;
     using D = std::decay_t<F>;
-    using W = typename internal::WireOf<D, T, false>::type;
-    CheckSignature<D, W, false>();
-    using R = typename internal::CallResult<D, W, false>::type;
-    return Submit<std::vector<R>>(VectorAssembler<R>(), std::move(callbacks), [&](auto attach) {
-      return SubmitChunks<W>("map",
-                             internal::MakeFnSpec<D, W, R, false>(std::forward<F>(fn)), inputs,
-                             chunksize, ChunkRule::kPick, FailRule::kFailFast, attach);
-    });
+    using W = typename internal::WireOf<D, T, kForm>::type;
+    CheckSignature<D, W, kForm>();
+    using R = typename internal::CallResult<D, W, kForm>::type;
+    return Submit<std::vector<R>>(
+        internal::AssembleVector<R>(), std::move(callbacks), [&](auto attach) {
+          return SubmitChunks<W>("map", internal::MakeFnSpec<D, W, R, kForm>(std::forward<F>(fn)),
+                                 inputs, chunksize, internal::ChunkRule::kPickWhenZero,
+                                 internal::FailRule::kFailFast, attach);
+        });
   }
 
   /// fn(args...) for every tuple of inputs, in input order.
@@ -563,27 +467,30 @@ class Pool {
   template <class F, class... Ts, class A, class B>
   auto starmap_async(F&& fn, const std::vector<std::tuple<Ts...>>& inputs, int chunksize,
                      Callbacks<A, B> callbacks) {
+    constexpr internal::CallForm kForm = internal::CallForm::kSpread;
     using D = std::decay_t<F>;
-    using W = typename internal::WireOf<D, std::tuple<Ts...>, true>::type;
-    CheckSignature<D, W, true>();
-    using R = typename internal::CallResult<D, W, true>::type;
-    return Submit<std::vector<R>>(VectorAssembler<R>(), std::move(callbacks), [&](auto attach) {
-      return SubmitChunks<W>("starmap",
-                             internal::MakeFnSpec<D, W, R, true>(std::forward<F>(fn)), inputs,
-                             chunksize, ChunkRule::kPick, FailRule::kFailFast, attach);
-    });
+    using W = typename internal::WireOf<D, std::tuple<Ts...>, kForm>::type;
+    CheckSignature<D, W, kForm>();
+    using R = typename internal::CallResult<D, W, kForm>::type;
+    return Submit<std::vector<R>>(
+        internal::AssembleVector<R>(), std::move(callbacks), [&](auto attach) {
+          return SubmitChunks<W>(
+              "starmap", internal::MakeFnSpec<D, W, R, kForm>(std::forward<F>(fn)), inputs,
+              chunksize, internal::ChunkRule::kPickWhenZero, internal::FailRule::kFailFast, attach);
+        });
   }
 
   /// Results of fn over inputs in input order, as they arrive. chunksize 0 means 1. Every chunk
   /// is submitted at once.
   template <class F, class T>
   auto imap(F&& fn, const std::vector<T>& inputs, int chunksize = 1) {
-    return Iterate<F, T>(std::forward<F>(fn), inputs, chunksize, true);
+    return Iterate<F, T>(std::forward<F>(fn), inputs, chunksize, internal::ResultOrder::kInput);
   }
   /// Results of fn over inputs in completion order.
   template <class F, class T>
   auto imap_unordered(F&& fn, const std::vector<T>& inputs, int chunksize = 1) {
-    return Iterate<F, T>(std::forward<F>(fn), inputs, chunksize, false);
+    return Iterate<F, T>(std::forward<F>(fn), inputs, chunksize,
+                         internal::ResultOrder::kCompletion);
   }
   /// imap over a generator, read lazily: `generator()` returns std::optional<T>, nullopt at the
   /// end (it is not called again after that). The input is read on the thread that iterates,
@@ -593,22 +500,26 @@ class Pool {
   template <class F, class G,
             std::enable_if_t<internal::GeneratorTraits<std::decay_t<G>>::kIs, int> = 0>
   auto imap(F&& fn, G&& generator, int chunksize = 1) {
-    return IterateLazy(std::forward<F>(fn), std::forward<G>(generator), chunksize, true);
+    return IterateLazy(std::forward<F>(fn), std::forward<G>(generator), chunksize,
+                       internal::ResultOrder::kInput);
   }
   template <class F, class G,
             std::enable_if_t<internal::GeneratorTraits<std::decay_t<G>>::kIs, int> = 0>
   auto imap_unordered(F&& fn, G&& generator, int chunksize = 1) {
-    return IterateLazy(std::forward<F>(fn), std::forward<G>(generator), chunksize, false);
+    return IterateLazy(std::forward<F>(fn), std::forward<G>(generator), chunksize,
+                       internal::ResultOrder::kCompletion);
   }
   /// imap over [first, last), read lazily as above (input iterators such as
   /// std::istream_iterator work; the range must stay valid while the iterator reads it).
   template <class F, class It, std::enable_if_t<internal::IsInputIterator<It>::value, int> = 0>
   auto imap(F&& fn, It first, It last, int chunksize = 1) {
-    return IterateLazy(std::forward<F>(fn), RangeGenerator(first, last), chunksize, true);
+    return IterateLazy(std::forward<F>(fn), internal::RangeGenerator(first, last), chunksize,
+                       internal::ResultOrder::kInput);
   }
   template <class F, class It, std::enable_if_t<internal::IsInputIterator<It>::value, int> = 0>
   auto imap_unordered(F&& fn, It first, It last, int chunksize = 1) {
-    return IterateLazy(std::forward<F>(fn), RangeGenerator(first, last), chunksize, false);
+    return IterateLazy(std::forward<F>(fn), internal::RangeGenerator(first, last), chunksize,
+                       internal::ResultOrder::kCompletion);
   }
 
   /// fn(args...) in a worker; waits for the result.
@@ -640,57 +551,48 @@ class Pool {
 
   /// The number of workers the pool keeps.
   int processes() const;
-  /// The start method in use.
-  const std::string& start_method() const;
+  /// The start method in use (never the default: the one get_start_method() gave at start).
+  StartMethod start_method() const;
   /// The pids of the current workers (a snapshot).
   std::vector<pid_t> pids() const;
   /// Callbacks (see Callbacks) that threw so far; each was also reported on stderr.
   uint64_t callback_failures() const;
 
-  struct Impl;
-
  private:
-  template <class D, class W, bool kStar>
+  template <class D, class W, internal::CallForm kForm>
   static constexpr void CheckSignature() {
-    static_assert(internal::Callable<D, W, kStar>(),
+    static_assert(internal::Callable<D, W, kForm>(),
                   "Pool: the function cannot be called with the given inputs (for map/imap: one "
                   "element; for starmap/apply: the tuple's elements as arguments)");
-    using R = typename internal::CallResult<D, W, kStar>::type;
-    static_assert(!std::is_void_v<R>, "Pool: a task must return a value (results travel back "
-                                      "through the codec); return e.g. a bool");
+    using R = typename internal::CallResult<D, W, kForm>::type;
+    static_assert(!std::is_void_v<R>,
+                  "Pool: a task must return a value (results travel back "
+                  "through the codec); return e.g. a bool");
     static_assert(std::is_default_constructible_v<R> && std::is_default_constructible_v<W>,
                   "Pool: inputs and results must be default-constructible (the codec decodes "
                   "into them)");
-    if constexpr (internal::FnPtrTraits<D>::kIsFnPtr && !kStar) {
+    if constexpr (internal::FnPtrTraits<D>::kIsFnPtr && kForm == internal::CallForm::kElement) {
       static_assert(internal::FnPtrTraits<D>::kArity == 1,
                     "Pool::map/imap: the function must take exactly one parameter; use starmap "
                     "for several");
     }
   }
 
-  enum class ChunkRule { kPick, kGiven };      // chunksize 0: pick one (map), or an error
-  enum class FailRule { kFailFast, kPerChunk };  // the first failure fails the call, or its chunk
   using Attach = std::function<void(const std::shared_ptr<internal::JobState>&)>;
 
+  // Checks the call, cuts the inputs into chunks of W and queues them as one job.
   template <class W, class T>
   std::shared_ptr<internal::JobState> SubmitChunks(const char* what, internal::FnSpec fn,
                                                    const std::vector<T>& inputs, int chunksize,
-                                                   ChunkRule chunk_rule, FailRule fail_rule,
+                                                   internal::ChunkRule chunk_rule,
+                                                   internal::FailRule fail_rule,
                                                    const Attach& attach = nullptr) {
     CheckSubmit(what, fn);
-    const size_t cs = ChunkSize(what, inputs.size(), chunksize, chunk_rule == ChunkRule::kPick);
+    const size_t cs = ChunkSize(what, inputs.size(), chunksize, chunk_rule);
     std::vector<Message> chunks;
     std::vector<size_t> sizes;
-    for (size_t i = 0; i < inputs.size(); i += cs) {
-      const size_t end = std::min(inputs.size(), i + cs);
-      std::vector<W> slice;
-      slice.reserve(end - i);
-      for (size_t j = i; j < end; ++j) slice.emplace_back(inputs[j]);
-      chunks.push_back(Encode(slice));
-      sizes.push_back(end - i);
-    }
-    return Enqueue(what, std::move(fn), std::move(chunks), std::move(sizes),
-                   fail_rule == FailRule::kFailFast, attach);
+    internal::EncodeChunks<W>(inputs, cs, &chunks, &sizes);
+    return Enqueue(what, std::move(fn), std::move(chunks), std::move(sizes), fail_rule, attach);
   }
 
   // An AsyncResult<R> for what `submit(attach)` queues; with callbacks, `attach` sets the job's
@@ -702,10 +604,10 @@ class Pool {
       return AsyncResult<R>(submit(Attach()), std::move(assemble));
     } else {
       AsyncResult<R> result(nullptr, std::move(assemble));
-      std::shared_ptr<typename AsyncResult<R>::State> state = result.state_;
+      std::shared_ptr<internal::AsyncResultState<R>> state = result.state_;
       submit(Attach([state, &cbs](const std::shared_ptr<internal::JobState>& job) {
         state->job = job;
-        job->SetCallback(AsyncResult<R>::MakeCallback(state, std::move(cbs)));
+        job->SetCallback(internal::MakeResultCallback<R>(state, std::move(cbs)));
       }));
       return result;
     }
@@ -719,129 +621,73 @@ class Pool {
 
   template <class F, class A, class B, class... Args>
   auto ApplyWith(F&& fn, Callbacks<A, B> cbs, Args&&... args) {
+    constexpr internal::CallForm kForm = internal::CallForm::kSpread;
     using D = std::decay_t<F>;
-    using W = typename internal::WireOf<D, std::tuple<std::decay_t<Args>...>, true>::type;
-    CheckSignature<D, W, true>();
-    using R = typename internal::CallResult<D, W, true>::type;
+    using W = typename internal::WireOf<D, std::tuple<std::decay_t<Args>...>, kForm>::type;
+    CheckSignature<D, W, kForm>();
+    using R = typename internal::CallResult<D, W, kForm>::type;
     std::vector<W> one;
     one.emplace_back(std::forward<Args>(args)...);
-    std::function<R(internal::JobState&)> assemble = [](internal::JobState& j) {
-      Message m = j.TakeResult(0);
-      std::vector<R> v = DecodeAs<std::vector<R>>(m);
-      if (v.size() != 1) ThrowBadResultCount(j, v.size());
-      return std::move(v[0]);
-    };
-    return Submit<R>(std::move(assemble), std::move(cbs), [&](auto attach) {
-      return SubmitChunks<W>("apply_async",
-                             internal::MakeFnSpec<D, W, R, true>(std::forward<F>(fn)), one, 1,
-                             ChunkRule::kGiven, FailRule::kFailFast, attach);
+    return Submit<R>(internal::AssembleOne<R>(), std::move(cbs), [&](auto attach) {
+      return SubmitChunks<W>(
+          "apply_async", internal::MakeFnSpec<D, W, R, kForm>(std::forward<F>(fn)), one,
+          /*chunksize=*/1, internal::ChunkRule::kAtLeastOne, internal::FailRule::kFailFast, attach);
     });
   }
 
   template <class F, class T>
-  auto Iterate(F&& fn, const std::vector<T>& inputs, int chunksize, bool ordered) {
+  auto Iterate(F&& fn, const std::vector<T>& inputs, int chunksize, internal::ResultOrder order) {
+    constexpr internal::CallForm kForm = internal::CallForm::kElement;
     using D = std::decay_t<F>;
-    using W = typename internal::WireOf<D, T, false>::type;
-    CheckSignature<D, W, false>();
-    using R = typename internal::CallResult<D, W, false>::type;
+    using W = typename internal::WireOf<D, T, kForm>::type;
+    CheckSignature<D, W, kForm>();
+    using R = typename internal::CallResult<D, W, kForm>::type;
     if (chunksize == 0) chunksize = 1;
     return ResultIterator<R>(
-        SubmitChunks<W>(ordered ? "imap" : "imap_unordered",
-                        internal::MakeFnSpec<D, W, R, false>(std::forward<F>(fn)), inputs,
-                        chunksize, ChunkRule::kGiven, FailRule::kPerChunk),
-        ordered);
-  }
-
-  // A generator over [first, last).
-  template <class It>
-  static auto RangeGenerator(It first, It last) {
-    using T = typename std::iterator_traits<It>::value_type;
-    return [first, last]() mutable -> std::optional<T> {
-      if (first == last) return std::nullopt;
-      std::optional<T> v(*first);
-      ++first;
-      return v;
-    };
+        SubmitChunks<W>(ImapName(order), internal::MakeFnSpec<D, W, R, kForm>(std::forward<F>(fn)),
+                        inputs, chunksize, internal::ChunkRule::kAtLeastOne,
+                        internal::FailRule::kPerChunk),
+        order);
   }
 
   template <class F, class G>
-  auto IterateLazy(F&& fn, G&& generator, int chunksize, bool ordered) {
-    using Gen = std::decay_t<G>;
+  auto IterateLazy(F&& fn, G&& generator, int chunksize, internal::ResultOrder order) {
+    constexpr internal::CallForm kForm = internal::CallForm::kElement;
     using T = typename internal::OptionalValue<
-        typename internal::GeneratorTraits<Gen>::Out>::type;
+        typename internal::GeneratorTraits<std::decay_t<G>>::Out>::type;
     using D = std::decay_t<F>;
-    using W = typename internal::WireOf<D, T, false>::type;
-    CheckSignature<D, W, false>();
-    using R = typename internal::CallResult<D, W, false>::type;
-    const char* what = ordered ? "imap" : "imap_unordered";
+    using W = typename internal::WireOf<D, T, kForm>::type;
+    CheckSignature<D, W, kForm>();
+    using R = typename internal::CallResult<D, W, kForm>::type;
+    const char* what = ImapName(order);
     if (chunksize == 0) chunksize = 1;
-    const size_t cs = ChunkSize(what, 0, chunksize, false);
-    auto job = std::make_shared<internal::JobState>(what, /*fail_fast=*/false);
+    const size_t cs = ChunkSize(what, 0, chunksize, internal::ChunkRule::kAtLeastOne);
+    auto job = std::make_shared<internal::JobState>(what, internal::FailRule::kPerChunk);
     std::unique_ptr<internal::LazyFeed> feed =
-        OpenFeed(what, internal::MakeFnSpec<D, W, R, false>(std::forward<F>(fn)), job);
-    struct Source {
-      Gen gen;
-      bool ended = false;
-      std::exception_ptr error;  // thrown by the generator after part of a chunk was read
-    };
-    auto src = std::make_shared<Source>(Source{Gen(std::forward<G>(generator)), false, nullptr});
-    internal::ChunkReader read = [src, cs]() -> std::optional<std::pair<Message, size_t>> {
-      if (src->error) std::rethrow_exception(std::exchange(src->error, nullptr));
-      std::vector<W> slice;
-      while (!src->ended && slice.size() < cs) {
-        std::optional<T> v;
-        try {
-          v = src->gen();
-        } catch (...) {
-          src->ended = true;
-          if (slice.empty()) throw;
-          src->error = std::current_exception();  // the inputs read before it still run
-          break;
-        }
-        if (!v) {
-          src->ended = true;
-          break;
-        }
-        slice.emplace_back(std::move(*v));
-      }
-      if (slice.empty()) return std::nullopt;
-      const size_t n = slice.size();
-      return std::make_pair(Encode(slice), n);
-    };
-    return ResultIterator<R>(std::move(job), ordered, std::move(feed), std::move(read),
-                             LazyWindow());
+        OpenFeed(what, internal::MakeFnSpec<D, W, R, kForm>(std::forward<F>(fn)), job);
+    internal::ChunkReader read = internal::MakeChunkReader<W, T>(std::forward<G>(generator), cs);
+    return ResultIterator<R>(
+        std::move(job), order,
+        internal::IteratorInput(std::move(feed), std::move(read), LazyWindow()));
   }
 
-  template <class R>
-  static std::function<std::vector<R>(internal::JobState&)> VectorAssembler() {
-    return [](internal::JobState& j) {
-      std::vector<R> out;
-      for (size_t c = 0; c < j.num_chunks(); ++c) {
-        Message m = j.TakeResult(c);
-        std::vector<R> part = DecodeAs<std::vector<R>>(m);
-        if (part.size() != j.chunk_size(c)) ThrowBadResultCount(j, part.size());
-        for (R& r : part) out.push_back(std::move(r));
-      }
-      return out;
-    };
+  static const char* ImapName(internal::ResultOrder order) {
+    return order == internal::ResultOrder::kInput ? "imap" : "imap_unordered";
   }
 
-  [[noreturn]] static void ThrowBadResultCount(const internal::JobState& job, size_t got);
   void CheckSubmit(const char* what, const internal::FnSpec& fn) const;
-  size_t ChunkSize(const char* what, size_t n, int chunksize, bool is_map) const;
+  size_t ChunkSize(const char* what, size_t n, int chunksize, internal::ChunkRule rule) const;
   std::shared_ptr<internal::JobState> Enqueue(const char* what, internal::FnSpec fn,
                                               std::vector<Message> chunks,
-                                              std::vector<size_t> sizes, bool fail_fast,
-                                              const Attach& attach);
-  struct TaskSpec;
-  TaskSpec PrepareTaskLocked(internal::FnSpec& fn, internal::JobState& job);
+                                              std::vector<size_t> sizes,
+                                              internal::FailRule fail_rule, const Attach& attach);
   // The feed of an open imap job (checks the call like CheckSubmit).
   std::unique_ptr<internal::LazyFeed> OpenFeed(const char* what, internal::FnSpec fn,
                                                std::shared_ptr<internal::JobState> job);
   // Chunks a lazy imap keeps ahead of its consumer.
   size_t LazyWindow() const;
 
-  std::unique_ptr<Impl> impl_;
+  std::unique_ptr<internal::PoolDispatcher> impl_;
 };
 
 }  // namespace forksafe::mp

@@ -1,10 +1,28 @@
 // mp/internal/pool_call.h: NOT FOR USERS. How mp/pool.h calls a task and feeds a call: the
 // traits of a task function, the runners that decode a chunk, call the function on each element
 // and encode the results (registered by type name, so that spawned workers find them), the wire
-// type of an element, the traits of a lazy imap's input, and the error side of Callbacks.
+// type of an element, the cutting of inputs into encoded chunks (a vector at once, a lazy imap's
+// generator or range as it is read), the traits of a lazy imap's input, and the error side of
+// Callbacks.
+//
+// What it offers
+//   CallForm (fn(element) or fn(tuple's elements...)), FnSpec / MakeFnSpec (what a call hands the
+//   pool), WireOf / CallResult / Callable (the types of a call), EncodeChunks / MakeChunkReader /
+//   RangeGenerator (chunks of inputs), ChunkRule, IsCallbacks / LastIsCallbacks / CallOnError
+//   (the Callbacks argument of mp/pool.h), LazyFeed (where a lazy imap's chunks go).
+//
+// Guarantees
+//   - Header-only templates but RegisterPoolRunner (mp/internal/pool_runners.cc); nothing here
+//     takes a lock or starts a thread.
+//   - An ElementRunner registers itself at static initialization under its mangled type name,
+//     the same in every copy of the program.
+//
+// Hazards
+//   - A ChunkReader reads its generator on the calling thread; it is not for several threads.
 #ifndef FORKSAFE_MP_INTERNAL_POOL_CALL_H_
 #define FORKSAFE_MP_INTERNAL_POOL_CALL_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -21,9 +39,18 @@
 #include "forksafe/mp/codec.h"
 #include "forksafe/runtime/error.h"
 
+namespace forksafe::mp {
+template <class OnResult, class OnError>
+struct Callbacks;  // mp/pool.h
+}  // namespace forksafe::mp
+
 namespace forksafe::mp::internal {
 
 // ---- calling a task ---------------------------------------------------------------------------
+
+/// How a task takes one input: as one argument (map, imap), or as a tuple whose elements are its
+/// arguments (starmap, apply).
+enum class CallForm { kElement, kSpread };
 
 template <class F>
 struct FnPtrTraits {
@@ -66,33 +93,33 @@ decltype(auto) CallStar(F& f, Tup& t) {
   }
 }
 
-template <class D, class W, bool kStar>
+template <class D, class W, CallForm kForm>
 constexpr bool Callable() {
-  if constexpr (kStar) {
+  if constexpr (kForm == CallForm::kSpread) {
     return Applicable<D&, W>::kRvalue || Applicable<D&, W>::kLvalue;
   } else {
     return std::is_invocable_v<D&, W&&> || std::is_invocable_v<D&, W&>;
   }
 }
 
-template <class D, class W, bool kStar>
+template <class D, class W, CallForm kForm>
 struct CallResult {
   using type = std::decay_t<decltype(CallOne(std::declval<D&>(), std::declval<W&>()))>;
 };
 template <class D, class W>
-struct CallResult<D, W, true> {
+struct CallResult<D, W, CallForm::kSpread> {
   using type = std::decay_t<decltype(CallStar(std::declval<D&>(), std::declval<W&>()))>;
 };
 
 /// Decodes a chunk (std::vector<W>), calls f on each element, encodes std::vector<R>.
-template <class W, class R, bool kStar, class F>
+template <class W, class R, CallForm kForm, class F>
 void RunElements(F& f, Message& in, Message& out) {
   std::vector<W> items;
   Decode(in, items);
   std::vector<R> results;
   results.reserve(items.size());
   for (W& w : items) {
-    if constexpr (kStar) {
+    if constexpr (kForm == CallForm::kSpread) {
       results.push_back(CallStar(f, w));
     } else {
       results.push_back(CallOne(f, w));
@@ -108,14 +135,14 @@ using LocalRunner = std::function<void(Message& in, Message& out)>;
 
 /// Registers a runner under a key that is the same in every process of this program (its
 /// mangled type name). Done at static initialization, so spawned workers have every runner that
-/// the program can submit.
+/// the program can submit. Defined in mp/internal/pool_runners.cc.
 bool RegisterPoolRunner(const char* key, RawRunner runner);
 
-template <class D, class W, class R, bool kStar>
+template <class D, class W, class R, CallForm kForm>
 struct ElementRunner {
   static void Run(const void* fn, Message& in, Message& out) {
     D f = reinterpret_cast<D>(const_cast<void*>(fn));
-    RunElements<W, R, kStar>(f, in, out);
+    RunElements<W, R, kForm>(f, in, out);
   }
   static const char* Key() {
     (void)kRegistered;  // odr-use: instantiates the registration below
@@ -123,10 +150,9 @@ struct ElementRunner {
   }
   static const bool kRegistered;
 };
-template <class D, class W, class R, bool kStar>
-const bool ElementRunner<D, W, R, kStar>::kRegistered =
-    RegisterPoolRunner(typeid(ElementRunner<D, W, R, kStar>).name(),
-                       &ElementRunner<D, W, R, kStar>::Run);
+template <class D, class W, class R, CallForm kForm>
+const bool ElementRunner<D, W, R, kForm>::kRegistered = RegisterPoolRunner(
+    typeid(ElementRunner<D, W, R, kForm>).name(), &ElementRunner<D, W, R, kForm>::Run);
 
 /// What the typed layer hands the pool: a function pointer with its runner, or a local callable.
 struct FnSpec {
@@ -136,18 +162,18 @@ struct FnSpec {
   std::shared_ptr<const LocalRunner> local;
 };
 
-template <class D, class W, class R, bool kStar, class F>
+template <class D, class W, class R, CallForm kForm, class F>
 FnSpec MakeFnSpec(F&& fn) {
   FnSpec spec;
   if constexpr (FnPtrTraits<D>::kIsFnPtr) {
     D p = fn;
     spec.fn = reinterpret_cast<const void*>(p);
-    spec.runner = &ElementRunner<D, W, R, kStar>::Run;
-    spec.runner_key = ElementRunner<D, W, R, kStar>::Key();
+    spec.runner = &ElementRunner<D, W, R, kForm>::Run;
+    spec.runner_key = ElementRunner<D, W, R, kForm>::Key();
   } else {
     spec.local = std::make_shared<const LocalRunner>(
         [f = D(std::forward<F>(fn))](Message& in, Message& out) mutable {
-          RunElements<W, R, kStar>(f, in, out);
+          RunElements<W, R, kForm>(f, in, out);
         });
   }
   return spec;
@@ -155,16 +181,16 @@ FnSpec MakeFnSpec(F&& fn) {
 
 // The wire type of one element: the function's parameter (tuple of parameters for star calls)
 // for function pointers, the input's own type for other callables.
-template <class D, class T, bool kStar, bool = FnPtrTraits<D>::kIsFnPtr>
+template <class D, class T, CallForm kForm, bool = FnPtrTraits<D>::kIsFnPtr>
 struct WireOf {
   using type = T;
 };
 template <class D, class T>
-struct WireOf<D, T, false, true> {
+struct WireOf<D, T, CallForm::kElement, true> {
   using type = typename FnPtrTraits<D>::First;
 };
 template <class D, class T>
-struct WireOf<D, T, true, true> {
+struct WireOf<D, T, CallForm::kSpread, true> {
   using type = typename FnPtrTraits<D>::Args;
 };
 
@@ -193,6 +219,20 @@ template <class It>
 struct IsInputIterator<It, std::void_t<typename std::iterator_traits<It>::iterator_category>>
     : std::is_base_of<std::input_iterator_tag,
                       typename std::iterator_traits<It>::iterator_category> {};
+
+// ---- the Callbacks argument -------------------------------------------------------------------
+
+template <class T>
+struct IsCallbacks : std::false_type {};
+template <class A, class B>
+struct IsCallbacks<Callbacks<A, B>> : std::true_type {};
+
+// Whether the last of a pack is a Callbacks.
+template <class... Ts>
+struct LastIsCallbacks : std::false_type {};
+template <class T, class... Ts>
+struct LastIsCallbacks<T, Ts...>
+    : IsCallbacks<std::decay_t<std::tuple_element_t<sizeof...(Ts), std::tuple<T, Ts...>>>> {};
 
 // Calls a Callbacks' on_error with the failure, in the form it takes.
 template <class OnError>
@@ -231,6 +271,76 @@ class LazyFeed {
 };
 /// Reads and encodes an imap input's next chunk: the message and its count, nullopt at the end.
 using ChunkReader = std::function<std::optional<std::pair<Message, size_t>>()>;
+
+// ---- inputs into chunks -----------------------------------------------------------------------
+
+/// What chunksize 0 means: pick one (map, starmap: about 4 chunks per worker), or an error.
+enum class ChunkRule { kPickWhenZero, kAtLeastOne };
+
+/// Cuts `inputs` into chunks of `cs` elements, each converted to W and encoded as
+/// std::vector<W>: appends the messages to `chunks` and their element counts to `sizes`.
+template <class W, class T>
+void EncodeChunks(const std::vector<T>& inputs, size_t cs, std::vector<Message>* chunks,
+                  std::vector<size_t>* sizes) {
+  for (size_t i = 0; i < inputs.size(); i += cs) {
+    const size_t end = std::min(inputs.size(), i + cs);
+    std::vector<W> slice;
+    slice.reserve(end - i);
+    for (size_t j = i; j < end; ++j) slice.emplace_back(inputs[j]);
+    chunks->push_back(Encode(slice));
+    sizes->push_back(end - i);
+  }
+}
+
+/// A generator over [first, last).
+template <class It>
+auto RangeGenerator(It first, It last) {
+  using T = typename std::iterator_traits<It>::value_type;
+  return [first, last]() mutable -> std::optional<T> {
+    if (first == last) return std::nullopt;
+    std::optional<T> v(*first);
+    ++first;
+    return v;
+  };
+}
+
+/// A ChunkReader over a generator of T (see GeneratorTraits): each call reads up to `cs` inputs
+/// and encodes them as std::vector<W>. A generator that throws ends the input: the inputs read
+/// before it in that chunk are returned first, the exception on the next call; a throw with
+/// nothing read is thrown at once. After nullopt (or a throw) the generator is not called again.
+template <class W, class T, class G>
+ChunkReader MakeChunkReader(G&& generator, size_t cs) {
+  using Gen = std::decay_t<G>;
+  struct Source {
+    Gen gen;
+    bool ended = false;
+    std::exception_ptr error;  // thrown by the generator after part of a chunk was read
+  };
+  auto src = std::make_shared<Source>(Source{Gen(std::forward<G>(generator)), false, nullptr});
+  return [src, cs]() -> std::optional<std::pair<Message, size_t>> {
+    if (src->error) std::rethrow_exception(std::exchange(src->error, nullptr));
+    std::vector<W> slice;
+    while (!src->ended && slice.size() < cs) {
+      std::optional<T> v;
+      try {
+        v = src->gen();
+      } catch (...) {
+        src->ended = true;
+        if (slice.empty()) throw;
+        src->error = std::current_exception();  // the inputs read before it still run
+        break;
+      }
+      if (!v) {
+        src->ended = true;
+        break;
+      }
+      slice.emplace_back(std::move(*v));
+    }
+    if (slice.empty()) return std::nullopt;
+    const size_t n = slice.size();
+    return std::make_pair(Encode(slice), n);
+  };
+}
 
 }  // namespace forksafe::mp::internal
 

@@ -13,6 +13,7 @@ namespace forksafe::mp::internal {
 
 using runtime::Error;
 using runtime::ErrorCode;
+using runtime::internal::MutexLock;
 
 namespace {
 // The job whose callback this thread is running (its own waits do not wait for it).
@@ -23,8 +24,9 @@ PoolDeadline ToPoolDeadline(const Timeout& timeout, const char* what) {
   return DeadlineAfter(timeout, what);
 }
 
-JobState::JobState(std::string what, std::vector<size_t> chunk_sizes, bool fail_fast)
-    : what_(std::move(what)), fail_fast_(fail_fast), owner_(getpid()) {
+// Constructors are not analysed: no other thread sees the job yet.
+JobState::JobState(std::string what, std::vector<size_t> chunk_sizes, FailRule fail_rule)
+    : what_(std::move(what)), fail_fast_(fail_rule == FailRule::kFailFast), owner_(getpid()) {
   for (size_t n : chunk_sizes) {
     Record& r = records_[next_chunk_++];
     r.size = n;
@@ -34,8 +36,11 @@ JobState::JobState(std::string what, std::vector<size_t> chunk_sizes, bool fail_
   outstanding_ = records_.size();
 }
 
-JobState::JobState(std::string what, bool fail_fast)
-    : what_(std::move(what)), fail_fast_(fail_fast), owner_(getpid()), open_(true) {}
+JobState::JobState(std::string what, FailRule fail_rule)
+    : what_(std::move(what)),
+      fail_fast_(fail_rule == FailRule::kFailFast),
+      owner_(getpid()),
+      open_(true) {}
 
 void JobState::CheckOwner(const char* call) const {
   if (getpid() != owner_) {
@@ -51,28 +56,29 @@ JobState::Record* JobState::Find(size_t chunk) {
 }
 
 const JobState::Record* JobState::Find(size_t chunk) const {
-  return const_cast<JobState*>(this)->Find(chunk);
+  auto it = records_.find(chunk);
+  return it == records_.end() ? nullptr : &it->second;
 }
 
 size_t JobState::num_chunks() const {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   return next_chunk_;
 }
 
 size_t JobState::chunk_size(size_t chunk) const {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   const Record* r = Find(chunk);
   return r ? r->size : 0;
 }
 
 size_t JobState::chunk_start(size_t chunk) const {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   const Record* r = Find(chunk);
   return r ? r->start : 0;
 }
 
 size_t JobState::AddChunk(size_t size) {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   if (!open_) {
     throw Error(ErrorCode::kFailedPrecondition,
                 absl::StrCat(what_, ": no more input can be added to a sealed call"));
@@ -87,15 +93,15 @@ size_t JobState::AddChunk(size_t size) {
 }
 
 bool JobState::Seal() {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   if (!open_) return false;
   open_ = false;
-  cv_.notify_all();
+  cv_.NotifyAll();
   return outstanding_ == 0;
 }
 
 void JobState::Release(size_t chunk) {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   Record* r = Find(chunk);
   if (r == nullptr || !r->done) return;
   records_.erase(chunk);
@@ -113,7 +119,7 @@ bool JobState::ReadyLocked() const {
 }
 
 bool JobState::Settle(size_t chunk, Message* result, std::exception_ptr error) {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   Record* r = Find(chunk);
   if (r == nullptr || r->done) return false;
   r->done = true;
@@ -125,7 +131,7 @@ bool JobState::Settle(size_t chunk, Message* result, std::exception_ptr error) {
   }
   completion_order_.push_back(chunk);
   --outstanding_;
-  cv_.notify_all();
+  cv_.NotifyAll();
   return outstanding_ == 0 && !open_;
 }
 
@@ -136,55 +142,60 @@ bool JobState::Fail(size_t chunk, std::exception_ptr error) {
 }
 
 bool JobState::TakeFinishedEvent() {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   if (finished_event_taken_ || !FinishedLocked()) return false;
   finished_event_taken_ = true;
   return true;
 }
 
 bool JobState::failed() const {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   return first_error_ != nullptr;
 }
 
 bool JobState::ready() const {
   CheckOwner("AsyncResult::ready");
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   return ReadyLocked();
 }
 
 bool JobState::WaitReady(PoolDeadline deadline) const {
   CheckOwner("AsyncResult::wait");
-  std::unique_lock<std::mutex> lk(mu_);
-  if (!deadline) {
-    cv_.wait(lk, [&] { return ReadyLocked(); });
-    return true;
+  MutexLock lk(&mu_);
+  while (!ReadyLocked()) {
+    if (!deadline) {
+      cv_.Wait(&lk);
+    } else if (!cv_.WaitUntil(&lk, *deadline)) {
+      return ReadyLocked();
+    }
   }
-  return cv_.wait_until(lk, *deadline, [&] { return ReadyLocked(); });
+  return true;
 }
 
 bool JobState::WaitChunk(size_t chunk, PoolDeadline deadline) const {
   CheckOwner("ResultIterator::next");
-  std::unique_lock<std::mutex> lk(mu_);
-  auto pred = [&] {
+  MutexLock lk(&mu_);
+  for (;;) {
     const Record* r = Find(chunk);
-    return r == nullptr || r->done;
-  };
-  if (!deadline) {
-    cv_.wait(lk, pred);
-    return true;
+    if (r == nullptr || r->done) return true;
+    if (!deadline) {
+      cv_.Wait(&lk);
+    } else if (!cv_.WaitUntil(&lk, *deadline)) {
+      r = Find(chunk);
+      return r == nullptr || r->done;
+    }
   }
-  return cv_.wait_until(lk, *deadline, pred);
 }
 
 std::optional<size_t> JobState::WaitCompletion(size_t n, PoolDeadline deadline) const {
   CheckOwner("ResultIterator::next");
-  std::unique_lock<std::mutex> lk(mu_);
-  auto pred = [&] { return completion_base_ + completion_order_.size() > n; };
-  if (!deadline) {
-    cv_.wait(lk, pred);
-  } else if (!cv_.wait_until(lk, *deadline, pred)) {
-    return std::nullopt;
+  MutexLock lk(&mu_);
+  while (completion_base_ + completion_order_.size() <= n) {
+    if (!deadline) {
+      cv_.Wait(&lk);
+    } else if (!cv_.WaitUntil(&lk, *deadline) && completion_base_ + completion_order_.size() <= n) {
+      return std::nullopt;
+    }
   }
   const size_t chunk = n >= completion_base_ ? completion_order_[n - completion_base_] : 0;
   // The iterator reads completions in order, once each: what is before n is consumed.
@@ -196,24 +207,24 @@ std::optional<size_t> JobState::WaitCompletion(size_t n, PoolDeadline deadline) 
 }
 
 std::exception_ptr JobState::error(size_t chunk) const {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   const Record* r = Find(chunk);
   return r ? r->error : nullptr;
 }
 
 std::exception_ptr JobState::first_error() const {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   return first_error_;
 }
 
 Message JobState::TakeResult(size_t chunk) {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   Record* r = Find(chunk);
   return r ? std::move(r->result) : Message();
 }
 
 void JobState::ForEachResultFd(const std::function<void(int)>& fn) const {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   for (const auto& [chunk, r] : records_) {
     for (const FileDescriptor& f : r.result.fds) fn(f.get());
   }
@@ -223,32 +234,33 @@ void JobState::ThrowTimeout(const char* call, const Timeout& timeout) const {
   size_t done = 0;
   size_t total = 0;
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    MutexLock lk(&mu_);
     total = next_chunk_;
     done = total - outstanding_;
   }
-  throw Error(ErrorCode::kDeadlineExceeded,
-              absl::StrCat(call, ": the result of ", what_, " was not ready within ",
-                           timeout.has_value() ? timeout->count() : 0.0, " s (", done, " of ",
-                           total, " chunks done); wait longer, or check that the tasks can "
-                           "finish"));
+  throw Error(
+      ErrorCode::kDeadlineExceeded,
+      absl::StrCat(call, ": the result of ", what_, " was not ready within ",
+                   timeout.has_value() ? timeout->count() : 0.0, " s (", done, " of ", total,
+                   " chunks done); wait longer, or check that the tasks can "
+                   "finish"));
 }
 
 void JobState::SetCallback(std::function<void()> callback) {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   callback_ = std::move(callback);
   has_callback_ = static_cast<bool>(callback_);
 }
 
 bool JobState::has_callback() const {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   return has_callback_;
 }
 
 void JobState::RunCallback() {
   std::function<void()> cb;
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    MutexLock lk(&mu_);
     cb = std::move(callback_);  // run once; what it captured is freed after it ran
     callback_ = nullptr;
   }
@@ -256,9 +268,9 @@ void JobState::RunCallback() {
     JobState* job;
     ~Done() {
       t_in_callback = nullptr;
-      std::lock_guard<std::mutex> lk(job->mu_);
+      MutexLock lk(&job->mu_);
       job->callback_done_ = true;
-      job->cv_.notify_all();
+      job->cv_.NotifyAll();
     }
   } done{this};
   t_in_callback = this;
@@ -293,7 +305,7 @@ void CallbackRunner::Run(JobState& job) {
     }
     uint64_t n;
     {
-      std::lock_guard<std::mutex> lk(mu_);
+      MutexLock lk(&mu_);
       n = failures_ + 1;  // reported first, then counted (a test that sees the count sees it)
     }
     std::fprintf(stderr,
@@ -302,7 +314,7 @@ void CallbackRunner::Run(JobState& job) {
                  pool_name_.c_str(), job.what().c_str(), why.c_str(),
                  static_cast<unsigned long long>(n));
     std::fflush(stderr);
-    std::lock_guard<std::mutex> lk(mu_);
+    MutexLock lk(&mu_);
     ++failures_;
   }
 }
@@ -311,9 +323,9 @@ void CallbackRunner::Post(std::shared_ptr<JobState> job) {
   std::thread finished;  // a thread whose loop ended (after Stop) but was not joined yet
   bool run_here = false;
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    MutexLock lk(&mu_);
     queue_.push_back(job);
-    cv_.notify_all();
+    cv_.NotifyAll();
     if (running_) return;
     // Also after Stop(): a late job (one failed by terminate()) still gets its callback, from a
     // thread that drains the queue and ends.
@@ -340,8 +352,8 @@ void CallbackRunner::Loop() {
   for (;;) {
     std::shared_ptr<JobState> job;
     {
-      std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stopping_ || !queue_.empty(); });
+      MutexLock lk(&mu_);
+      while (!stopping_ && queue_.empty()) cv_.Wait(&lk);
       if (queue_.empty()) {  // stopping, and nothing left
         running_ = false;
         return;
@@ -356,9 +368,9 @@ void CallbackRunner::Loop() {
 void CallbackRunner::Stop() {
   std::thread t;
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    MutexLock lk(&mu_);
     stopping_ = true;
-    cv_.notify_all();
+    cv_.NotifyAll();
     // From a callback (one that terminates its pool): the thread ends after that callback, and
     // is joined by the next Stop() from another thread (the Pool's destructor) or its runner.
     if (!thread_.joinable() || thread_.get_id() == std::this_thread::get_id()) return;
@@ -368,7 +380,7 @@ void CallbackRunner::Stop() {
 }
 
 uint64_t CallbackRunner::failures() const {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexLock lk(&mu_);
   return failures_;
 }
 

@@ -24,7 +24,6 @@
 #include <sys/types.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -32,14 +31,15 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "forksafe/mp/codec.h"
 #include "forksafe/mp/timeout.h"
+#include "forksafe/runtime/internal/mutex.h"
 
 namespace forksafe::mp::internal {
 
@@ -48,13 +48,17 @@ using PoolDeadline = std::optional<PoolClock::time_point>;
 /// nullopt timeout: forever. Throws kInvalidArgument for a negative timeout, naming `what`.
 PoolDeadline ToPoolDeadline(const Timeout& timeout, const char* what);
 
+/// What a chunk's failure does to its job: fail the whole call at once (map, starmap, apply:
+/// its other queued chunks are dropped), or only that chunk (imap).
+enum class FailRule { kFailFast, kPerChunk };
+
 /// The results of one submitted job, chunk by chunk. See the file comment.
 class JobState {
  public:
   /// A closed job of the given chunk sizes.
-  JobState(std::string what, std::vector<size_t> chunk_sizes, bool fail_fast);
+  JobState(std::string what, std::vector<size_t> chunk_sizes, FailRule fail_rule);
   /// An open job: no chunks yet; AddChunk() until Seal().
-  JobState(std::string what, bool fail_fast);
+  JobState(std::string what, FailRule fail_rule);
 
   const std::string& what() const { return what_; }
   bool fail_fast() const { return fail_fast_; }
@@ -120,31 +124,32 @@ class JobState {
     std::exception_ptr error;
   };
   void CheckOwner(const char* call) const;
-  bool FinishedLocked() const;
-  bool ReadyLocked() const;
+  bool FinishedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // nullptr when the chunk was released or does not exist.
-  Record* Find(size_t chunk);
-  const Record* Find(size_t chunk) const;
-  bool Settle(size_t chunk, Message* result, std::exception_ptr error);
+  Record* Find(size_t chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const Record* Find(size_t chunk) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Settle(size_t chunk, Message* result, std::exception_ptr error) ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string what_;
   const bool fail_fast_;
   const pid_t owner_;
-  mutable std::mutex mu_;
-  mutable std::condition_variable cv_;
-  std::map<size_t, Record> records_;  // by chunk index; released ones are erased
-  size_t next_chunk_ = 0;             // chunks added so far
-  size_t next_start_ = 0;
-  bool open_ = false;
-  mutable std::deque<size_t> completion_order_;  // entry completion_base_ + i
-  mutable size_t completion_base_ = 0;
-  std::exception_ptr first_error_;
-  size_t outstanding_ = 0;
-  bool finished_event_taken_ = false;
-  std::function<void()> callback_;
-  bool has_callback_ = false;
-  bool callback_done_ = false;
-  std::thread::id callback_thread_;
+  mutable runtime::internal::Mutex mu_;
+  mutable runtime::internal::CondVar cv_;
+  // by chunk index; released ones are erased
+  std::map<size_t, Record> records_ ABSL_GUARDED_BY(mu_);
+  size_t next_chunk_ ABSL_GUARDED_BY(mu_) = 0;  // chunks added so far
+  size_t next_start_ ABSL_GUARDED_BY(mu_) = 0;
+  bool open_ ABSL_GUARDED_BY(mu_) = false;
+  // entry completion_base_ + i
+  mutable std::deque<size_t> completion_order_ ABSL_GUARDED_BY(mu_);
+  mutable size_t completion_base_ ABSL_GUARDED_BY(mu_) = 0;
+  std::exception_ptr first_error_ ABSL_GUARDED_BY(mu_);
+  size_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;
+  bool finished_event_taken_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void()> callback_ ABSL_GUARDED_BY(mu_);
+  bool has_callback_ ABSL_GUARDED_BY(mu_) = false;
+  bool callback_done_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 /// Runs jobs' callbacks, in the order they finished, on one thread of the pool's, started on
@@ -164,17 +169,17 @@ class CallbackRunner : public std::enable_shared_from_this<CallbackRunner> {
   uint64_t failures() const;
 
  private:
-  void Loop();
-  void Run(JobState& job);
+  void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+  void Run(JobState& job) ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string pool_name_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<JobState>> queue_;
-  bool stopping_ = false;
-  bool running_ = false;  // a Loop is running (or about to)
-  uint64_t failures_ = 0;
-  std::thread thread_;
+  mutable runtime::internal::Mutex mu_;
+  runtime::internal::CondVar cv_;
+  std::deque<std::shared_ptr<JobState>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool running_ ABSL_GUARDED_BY(mu_) = false;  // a Loop is running (or about to)
+  uint64_t failures_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread thread_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace forksafe::mp::internal

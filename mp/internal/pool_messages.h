@@ -25,11 +25,11 @@ namespace forksafe::mp::internal {
 struct TaskFn {
   enum Kind : int32_t { kNone = 0, kLocal = 1, kAddress = 2, kEntry = 3 };
   int32_t kind = kNone;
-  uint64_t local_id = 0;  // kLocal
-  uint64_t fn = 0;        // kAddress: the address; kEntry: the offset in its module
-  uint64_t runner = 0;    // kAddress: the runner's address
-  std::string entry;      // kEntry: the registered name
-  std::string runner_key; // kEntry
+  uint64_t local_id = 0;   // kLocal
+  uint64_t fn = 0;         // kAddress: the address; kEntry: the offset in its module
+  uint64_t runner = 0;     // kAddress: the runner's address
+  std::string entry;       // kEntry: the registered name
+  std::string runner_key;  // kEntry
 
   template <class Archive>
   void serialize(Archive& ar) {

@@ -137,16 +137,19 @@ class PoolAsyncTest : public ::testing::TestWithParam<std::string> {};
 TEST_P(PoolAsyncTest, MapAsyncCallbackGetsTheWholeResultOnAPoolThreadBeforeGetReturns) {
   Pool pool(Opts(GetParam()));
   Seen seen;
-  auto r = pool.map_async(&Square, Range(20), 3, Callbacks{[&](const std::vector<int>& v) {
-    std::this_thread::sleep_for(100ms);  // get() must still see the callback done
-    std::lock_guard<std::mutex> lk(seen.mu);
-    ++seen.results;
-    seen.value = v;
-    seen.thread = std::this_thread::get_id();
-  }, [&](const Error&) {
-    std::lock_guard<std::mutex> lk(seen.mu);
-    ++seen.errors;
-  }});
+  auto r = pool.map_async(
+      &Square, Range(20), 3,
+      Callbacks{[&](const std::vector<int>& v) {
+                  std::this_thread::sleep_for(100ms);  // get() must still see the callback done
+                  std::lock_guard<std::mutex> lk(seen.mu);
+                  ++seen.results;
+                  seen.value = v;
+                  seen.thread = std::this_thread::get_id();
+                },
+                [&](const Error&) {
+                  std::lock_guard<std::mutex> lk(seen.mu);
+                  ++seen.errors;
+                }});
   const std::vector<int> got = r.get(30s);
   std::lock_guard<std::mutex> lk(seen.mu);
   EXPECT_EQ(seen.results, 1);
@@ -161,15 +164,17 @@ TEST_P(PoolAsyncTest, MapAsyncCallbackGetsTheWholeResultOnAPoolThreadBeforeGetRe
 TEST_P(PoolAsyncTest, ErrorCallbackGetsTheFailureAndTheResultCallbackDoesNotRun) {
   Pool pool(Opts(GetParam()));
   Seen seen;
-  auto r = pool.map_async(&ThrowOn5, Range(10), 1, Callbacks{[&](const std::vector<int>&) {
-    std::lock_guard<std::mutex> lk(seen.mu);
-    ++seen.results;
-  }, [&](const Error& e) {
-    std::lock_guard<std::mutex> lk(seen.mu);
-    ++seen.errors;
-    seen.code = e.code();
-    seen.message = e.what();
-  }});
+  auto r = pool.map_async(&ThrowOn5, Range(10), 1,
+                          Callbacks{[&](const std::vector<int>&) {
+                                      std::lock_guard<std::mutex> lk(seen.mu);
+                                      ++seen.results;
+                                    },
+                                    [&](const Error& e) {
+                                      std::lock_guard<std::mutex> lk(seen.mu);
+                                      ++seen.errors;
+                                      seen.code = e.code();
+                                      seen.message = e.what();
+                                    }});
   EXPECT_THROW(r.get(30s), RemoteError);
   std::lock_guard<std::mutex> lk(seen.mu);
   EXPECT_EQ(seen.results, 0);
@@ -187,17 +192,14 @@ TEST_P(PoolAsyncTest, ApplyAndStarmapTakeCallbacksAsTheirLastArgument) {
 
   std::vector<int> star;
   std::vector<std::tuple<int, int>> pairs{{1, 2}, {3, 4}, {5, 6}};
-  auto s = pool.starmap_async(&Add, pairs, Callbacks{[&](const std::vector<int>& v) {
-    star = v;
-  }});
+  auto s = pool.starmap_async(&Add, pairs, Callbacks{[&](const std::vector<int>& v) { star = v; }});
   EXPECT_EQ(s.get(30s), (std::vector<int>{3, 7, 11}));
   EXPECT_EQ(star, (std::vector<int>{3, 7, 11}));
 
   // on_error may take the std::exception_ptr: a lost worker's WorkerLostError arrives whole.
   std::exception_ptr lost;
-  auto k = pool.apply_async(&KillSelf, 0, Callbacks{nullptr, [&](std::exception_ptr e) {
-    lost = e;
-  }});
+  auto k =
+      pool.apply_async(&KillSelf, 0, Callbacks{nullptr, [&](std::exception_ptr e) { lost = e; }});
   EXPECT_THROW(k.get(30s), WorkerLostError);
   ASSERT_TRUE(lost);
   try {
@@ -210,9 +212,8 @@ TEST_P(PoolAsyncTest, ApplyAndStarmapTakeCallbacksAsTheirLastArgument) {
 TEST_P(PoolAsyncTest, ACallbackThatThrowsIsCountedAndThePoolGoesOn) {
   Pool pool(Opts(GetParam()));
   ::testing::internal::CaptureStderr();
-  auto r = pool.apply_async(&Square, 4, Callbacks{[](const int&) {
-    throw std::runtime_error("callback exploded");
-  }});
+  auto r = pool.apply_async(
+      &Square, 4, Callbacks{[](const int&) { throw std::runtime_error("callback exploded"); }});
   EXPECT_EQ(r.get(30s), 16);  // the call itself succeeded
   EXPECT_TRUE(Eventually([&] { return pool.callback_failures() == 1; }));
   const std::string err = ::testing::internal::GetCapturedStderr();
@@ -247,10 +248,11 @@ TEST_P(PoolAsyncTest, TerminateRunsTheErrorCallbacksWithCancelledBeforeItReturns
   std::atomic<int> other{0};
   std::vector<AsyncResult<int>> rs;
   for (int i = 0; i < 4; ++i) {
-    rs.push_back(pool.apply_async(&SleepMs, 20000, Callbacks{[&](const int&) { ++other; },
-                                                              [&](const Error& e) {
-      (e.code() == ErrorCode::kCancelled ? cancelled : other)++;
-    }}));
+    rs.push_back(pool.apply_async(
+        &SleepMs, 20000,
+        Callbacks{
+            [&](const int&) { ++other; },
+            [&](const Error& e) { (e.code() == ErrorCode::kCancelled ? cancelled : other)++; }}));
   }
   EXPECT_FALSE(rs[0].wait(0.2));
   pool.terminate();
@@ -268,8 +270,8 @@ TEST_P(PoolAsyncTest, ACallbackMaySubmitWorkAndWaitForItsOwnResult) {
   std::unique_lock<std::mutex> hold(mu);  // the callback waits until `own` is assigned
   *own = pool.apply_async(&Square, 3, Callbacks{[&, own](const int&) {
     std::lock_guard<std::mutex> lk(mu);
-    own_value = own->get(10s);           // its own result: no wait for itself
-    inner = pool.apply(&Square, 5);      // more work, from the callback thread
+    own_value = own->get(10s);       // its own result: no wait for itself
+    inner = pool.apply(&Square, 5);  // more work, from the callback thread
   }});
   hold.unlock();
   EXPECT_EQ(own->get(30s), 9);
@@ -282,10 +284,13 @@ TEST_P(PoolAsyncTest, ACallbackMaySubmitWorkAndWaitForItsOwnResult) {
 TEST_P(PoolAsyncTest, ImapOverAnEndlessGeneratorReadsOnlyAWindowAhead) {
   Pool pool(Opts(GetParam()));
   auto pulled = std::make_shared<std::atomic<int>>(0);
-  auto it = pool.imap(&Square, [pulled, i = 0]() mutable -> std::optional<int> {
-    ++*pulled;
-    return i++;
-  }, 2);
+  auto it = pool.imap(
+      &Square,
+      [pulled, i = 0]() mutable -> std::optional<int> {
+        ++*pulled;
+        return i++;
+      },
+      2);
   const size_t window = it.window();
   EXPECT_EQ(window, 4u);  // 2 x processes chunks
   for (int k = 0; k < 300; ++k) {
@@ -306,10 +311,13 @@ TEST_P(PoolAsyncTest, ImapUnorderedOverAGeneratorYieldsEveryResultOnce) {
   Pool pool(Opts(GetParam(), 3));
   std::multiset<int> got;
   int n = 0;
-  for (int v : pool.imap_unordered(&Square, [&n]() -> std::optional<int> {
-         if (n == 250) return std::nullopt;
-         return n++;
-       }, 4)) {
+  for (int v : pool.imap_unordered(
+           &Square,
+           [&n]() -> std::optional<int> {
+             if (n == 250) return std::nullopt;
+             return n++;
+           },
+           4)) {
     got.insert(v);
   }
   std::multiset<int> want;
@@ -321,8 +329,8 @@ TEST_P(PoolAsyncTest, ImapOverAnInputIteratorRange) {
   Pool pool(Opts(GetParam()));
   std::istringstream in("1 2 3 4 5 6 7 8 9 10 11");
   std::vector<int> got;
-  for (int v : pool.imap(&Square, std::istream_iterator<int>(in), std::istream_iterator<int>(),
-                         3)) {
+  for (int v :
+       pool.imap(&Square, std::istream_iterator<int>(in), std::istream_iterator<int>(), 3)) {
     got.push_back(v);
   }
   EXPECT_EQ(got, (std::vector<int>{1, 4, 9, 16, 25, 36, 49, 64, 81, 100, 121}));
@@ -332,10 +340,13 @@ TEST_P(PoolAsyncTest, AnInputThatThrowsEndsTheIterationWithItsError) {
   Pool pool(Opts(GetParam()));
   int n = 0;
   // Chunks of 3: the error comes in the middle of the third chunk, whose first input still runs.
-  auto it = pool.imap(&Square, [&n]() -> std::optional<int> {
-    if (n == 7) throw std::out_of_range("input broke at 7");
-    return n++;
-  }, 3);
+  auto it = pool.imap(
+      &Square,
+      [&n]() -> std::optional<int> {
+        if (n == 7) throw std::out_of_range("input broke at 7");
+        return n++;
+      },
+      3);
   std::vector<int> got;
   try {
     for (int i = 0; i < 20; ++i) {
@@ -400,9 +411,8 @@ TEST_P(PoolAsyncTest, ALazyImapThatOutlivesItsPoolEndsCleanly) {
   std::optional<ResultIterator<int>> it;
   {
     Pool pool(Opts(GetParam()));
-    it.emplace(pool.imap(&SleepMs, [i = 0]() mutable -> std::optional<int> {
-      return i++ == 0 ? 1 : 20000;
-    }));
+    it.emplace(pool.imap(&SleepMs,
+                         [i = 0]() mutable -> std::optional<int> { return i++ == 0 ? 1 : 20000; }));
     EXPECT_EQ(*it->next(30s), 1);
   }
   int errors = 0;
@@ -411,8 +421,8 @@ TEST_P(PoolAsyncTest, ALazyImapThatOutlivesItsPoolEndsCleanly) {
     try {
       ended = !it->next(5s).has_value();
     } catch (const Error& e) {  // kCancelled for what was running, then the stop
-      EXPECT_TRUE(e.code() == ErrorCode::kCancelled ||
-                  e.code() == ErrorCode::kFailedPrecondition) << e.what();
+      EXPECT_TRUE(e.code() == ErrorCode::kCancelled || e.code() == ErrorCode::kFailedPrecondition)
+          << e.what();
       ++errors;
     }
   }

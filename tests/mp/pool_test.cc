@@ -243,8 +243,7 @@ TEST_P(PoolTest, AsyncResultStatesAndTimeouts) {
     FAIL() << "get(0.2) of a 5 s task must time out";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kDeadlineExceeded);
-    EXPECT_NE(std::string(e.what()).find("not ready within 0.2 s"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("not ready within 0.2 s"), std::string::npos) << e.what();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
   EXPECT_THROW(slow.get(-1.0), Error);  // negative timeout
@@ -303,9 +302,9 @@ TEST_P(PoolTest, AWorkerThatDiesFailsItsTaskAndIsReplaced) {
     int exit_code;
     const char* text;
   };
-  for (const Case& c : {Case{kSegfault, -SIGSEGV, "SIGSEGV (Segmentation fault)"},
-                        Case{kSigkill, -SIGKILL, "SIGKILL (Killed)"},
-                        Case{kExit3, 3, "exited with code 3"}}) {
+  for (const Case& c :
+       {Case{kSegfault, -SIGSEGV, "SIGSEGV (Segmentation fault)"},
+        Case{kSigkill, -SIGKILL, "SIGKILL (Killed)"}, Case{kExit3, 3, "exited with code 3"}}) {
     SCOPED_TRACE(c.text);
     Pool pool(Opts(GetParam()));
     const std::vector<pid_t> before = pool.pids();
@@ -489,8 +488,7 @@ TEST(PoolErrorsTest, SpawnNeedsRegisteredFunctions) {
       FAIL();
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kNotFound);
-      EXPECT_NE(std::string(e.what()).find("FORKSAFE_ENTRY_POINT"), std::string::npos)
-          << e.what();
+      EXPECT_NE(std::string(e.what()).find("FORKSAFE_ENTRY_POINT"), std::string::npos) << e.what();
     }
     try {
       pool.map([](int x) { return x; }, Range(3));
@@ -548,14 +546,16 @@ TEST(PoolForkTest, AnyCallableWorksWithFork) {
 
 TEST(PoolForkTest, AnInheritedPoolRefusesToWorkInAForkedChild) {
   Pool pool(Opts("fork", 1));
-  auto r = forksafe::testing::RunInChild([&] {
-    try {
-      pool.map(&Square, Range(3));
-      return 1;
-    } catch (const Error& e) {
-      return e.code() == ErrorCode::kFailedPrecondition ? 0 : 2;
-    }
-  }, 20s);
+  auto r = forksafe::testing::RunInChild(
+      [&] {
+        try {
+          pool.map(&Square, Range(3));
+          return 1;
+        } catch (const Error& e) {
+          return e.code() == ErrorCode::kFailedPrecondition ? 0 : 2;
+        }
+      },
+      20s);
   EXPECT_TRUE(r.ok()) << r.Describe();
   EXPECT_EQ(pool.map(&Square, Range(3)), (std::vector<int>{0, 1, 4}));
 }
