@@ -83,16 +83,18 @@
 
 namespace forksafe::mp {
 
-/// put_nowait() on a full queue, or put() whose timeout passed.
+/// put_nowait() on a full queue, or put() whose timeout passed: kDeadlineExceeded, as every wait
+/// that ran out (runtime/error.h); catch Full to tell it from Empty.
 class Full : public runtime::Error {
  public:
-  explicit Full(const std::string& what) : Error(runtime::ErrorCode::kResourceExhausted, what) {}
+  explicit Full(const std::string& what) : Error(runtime::ErrorCode::kDeadlineExceeded, what) {}
 };
 
-/// get_nowait() on an empty queue, or get() whose timeout passed.
+/// get_nowait() on an empty queue, or get() whose timeout passed: kDeadlineExceeded, as every
+/// wait that ran out (runtime/error.h); catch Empty to tell it from Full.
 class Empty : public runtime::Error {
  public:
-  explicit Empty(const std::string& what) : Error(runtime::ErrorCode::kUnavailable, what) {}
+  explicit Empty(const std::string& what) : Error(runtime::ErrorCode::kDeadlineExceeded, what) {}
 };
 
 /// Sizing of a queue.

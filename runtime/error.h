@@ -21,15 +21,34 @@
 namespace forksafe::runtime {
 
 /// The category of a failure. Stable: callers may switch on it.
+///
+/// The rule for choosing a code (every layer follows it; a throw that does not is a bug):
+///   - kDeadlineExceeded: every bounded wait that ran out. A timeout that passed, and a
+///     non-blocking attempt (a zero wait) that could not proceed at once: get_nowait() on an
+///     empty queue, put_nowait() on a full one, a lock or a result not had in time. A queue's
+///     Empty and Full (mp/queue.h) are this code; the C++ type, or Python's queue.Empty /
+///     queue.Full, tells them apart. Blocking calls with no timeout never throw it.
+///   - kUnavailable: only "a backend, device or facility is absent on this machine or in this
+///     process" (no CUDA driver or device, no backend registered for a device type, a backend that
+///     cannot export memory). Never "nothing there yet" (that is a wait: kDeadlineExceeded) and
+///     never "a peer went away" (kClosed or kProcessFailed).
+///   - kResourceExhausted: a limit of the machine or the process was reached: memory, file
+///     descriptors, threads, processes, /dev/shm or disk space, and the size limits a message or
+///     item is checked against. Never a queue or pool that is full for now (kDeadlineExceeded).
+///   - kInvalidArgument: the caller passed something wrong (a range, a malformed value or
+///     message); kFailedPrecondition: the call is wrong in the object's current state (closed
+///     pool, inside a fork handler, a forked child's copy); kClosed: the object, or the peer's
+///     end, was closed; kProcessFailed: another process failed or died; kInternal: an unexpected
+///     system-call failure (with errno).
 enum class ErrorCode {
   kInvalidArgument,     ///< A parameter is out of range or malformed.
   kNotFound,            ///< A named or handled thing does not exist.
   kAlreadyExists,       ///< Registering something twice.
   kFailedPrecondition,  ///< The call is not allowed in the current state (e.g. inside a fork handler).
   kForkPoisoned,        ///< A subsystem initialized in the parent was used in a forked child.
-  kUnavailable,         ///< A backend or device is absent on this machine.
-  kResourceExhausted,   ///< Out of memory, descriptors, /dev/shm, ...
-  kDeadlineExceeded,    ///< A bounded wait ran out.
+  kUnavailable,         ///< A backend, device or facility is absent on this machine.
+  kResourceExhausted,   ///< Out of memory, descriptors, threads, processes, /dev/shm, a size limit.
+  kDeadlineExceeded,    ///< A bounded wait ran out (a timeout, or a non-blocking attempt).
   kCancelled,           ///< Work was dropped before it ran (e.g. pool destroyed).
   kClosed,              ///< The object, or the peer's end of a channel, was closed.
   kOwnerDied,           ///< The process holding a shared lock died; state may be inconsistent.

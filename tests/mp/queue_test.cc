@@ -84,6 +84,32 @@ TEST(QueueTest, SameProcessFifoAndSizes) {
   EXPECT_EQ(q.maxsize(), 3);
 }
 
+// Empty and Full are waits that ran out, like every timeout of the library: kDeadlineExceeded
+// (the rule in runtime/error.h), for the non-blocking calls and for an expired timeout alike.
+TEST(QueueTest, EmptyAndFullAreDeadlineExceeded) {
+  Queue q(1);
+  q.put(1);
+  auto code_of = [](auto&& call) {
+    try {
+      call();
+    } catch (const Error& e) {
+      return e.code();
+    }
+    return ErrorCode::kInternal;  // nothing thrown
+  };
+  EXPECT_EQ(code_of([&] { q.put_nowait(2); }), ErrorCode::kDeadlineExceeded);
+  EXPECT_EQ(code_of([&] { q.put(2, true, 0.01); }), ErrorCode::kDeadlineExceeded);
+  EXPECT_EQ(q.get<int>(), 1);
+  EXPECT_EQ(code_of([&] { q.get_nowait<int>(); }), ErrorCode::kDeadlineExceeded);
+  EXPECT_EQ(code_of([&] { q.get<int>(true, 0.01); }), ErrorCode::kDeadlineExceeded);
+  try {
+    q.get_nowait<int>();
+    ADD_FAILURE() << "get_nowait on an empty queue returned";
+  } catch (const Empty& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("deadline_exceeded: ", 0), 0u) << e.what();
+  }
+}
+
 TEST(QueueTest, ManyItemsInOneProcessBeyondTheRing) {
   // Far more bytes than the ring holds, put and gotten by two threads of one process.
   Queue q(QueueOptions{0, 64 * 1024});
