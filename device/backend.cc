@@ -2,15 +2,29 @@
 
 #include <unistd.h>
 
-#include <new>
+#include <atomic>
 
 #include "absl/strings/str_cat.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/mutex.h"
 
 namespace forksafe::device {
 
+namespace internal {
+// A backend's initialization lock, and what it guards.
+struct BackendInitLock {
+  runtime::internal::Mutex mu;
+  std::atomic<int> users{0};  // threads inside mu (so a forked child knows to rebuild it)
+  bool initializing ABSL_GUARDED_BY(mu) = false;
+};
+}  // namespace internal
+
 using runtime::Error;
 using runtime::ErrorCode;
+
+Backend::Backend() : init_(std::make_unique<internal::BackendInitLock>()) {}
+
+Backend::~Backend() = default;
 
 void Backend::CheckIndex(int index, const char* what) const {
   const int count = DeviceCount();
@@ -46,17 +60,17 @@ void Backend::EnsureUsable(const char* what) {
     std::atomic<int>& n;
     explicit Users(std::atomic<int>& c) : n(c) { n.fetch_add(1); }
     ~Users() { n.fetch_sub(1); }
-  } users(init_mu_users_);
-  std::lock_guard<std::mutex> lk(init_mu_);
+  } users(init_->users);
+  runtime::internal::MutexLock lk(&init_->mu);
   if (state_.load(std::memory_order_acquire) == BackendState::kReady) return;
-  initializing_ = true;
+  init_->initializing = true;
   try {
     DoInitialize();
   } catch (...) {
-    initializing_ = false;
+    init_->initializing = false;
     throw;
   }
-  initializing_ = false;
+  init_->initializing = false;
   initialized_by_ = getpid();
   state_.store(BackendState::kReady, std::memory_order_release);
 }
@@ -119,18 +133,21 @@ void Backend::OnForkPrepare() {}
 
 void Backend::OnForkParent() {}
 
-void Backend::OnForkChild() {
+// Runs in a forked child, which has one thread: `initializing` is read without the lock, which
+// may be held by a thread that does not exist here (the lock is rebuilt instead).
+void Backend::OnForkChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // Another thread may have been initializing at the instant of the fork: rebuild the mutex and
   // count a half-done initialization as done (its context is no more usable than a full one).
   // Nothing is written when no thread was near the mutex: every page written after a fork is a
   // copy-on-write fault.
-  const bool was_initializing = init_mu_users_.load() > 0;
+  const bool was_initializing = init_->users.load() > 0;
   if (was_initializing) {
-    new (&init_mu_) std::mutex();
-    init_mu_users_.store(0);
+    init_->mu.ResetAfterFork();
+    init_->users.store(0);
   }
-  const bool was_live = state_.load() == BackendState::kReady || (was_initializing && initializing_);
-  if (was_initializing) initializing_ = false;
+  const bool was_live =
+      state_.load() == BackendState::kReady || (was_initializing && init_->initializing);
+  if (was_initializing) init_->initializing = false;
   if (was_live && fork_behavior() == ForkBehavior::kPoisonInChild) {
     if (initialized_by_ == 0) initialized_by_ = getppid();
     state_.store(BackendState::kPoisoned, std::memory_order_release);

@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -34,6 +35,9 @@
 
 namespace forksafe::device {
 class IpcBackend;
+namespace internal {
+struct BackendInitLock;
+}  // namespace internal
 }  // namespace forksafe::device
 
 namespace forksafe::device {
@@ -58,7 +62,10 @@ enum class BackendState { kUninitialized, kReady, kPoisoned };
 /// Base class of every backend.
 class Backend {
  public:
-  virtual ~Backend() = default;
+  Backend();
+  virtual ~Backend();
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
 
   /// The device type this backend serves.
   virtual DeviceType type() const = 0;
@@ -125,11 +132,12 @@ class Backend {
  private:
   void EnsureUsable(const char* what);
 
-  std::mutex init_mu_;
-  std::atomic<int> init_mu_users_{0};  // threads inside init_mu_ (so the child knows to rebuild it)
+  // The initialization lock and what it guards (backend.cc), never null.
+  const std::unique_ptr<internal::BackendInitLock> init_;
   std::atomic<BackendState> state_{BackendState::kUninitialized};
-  bool initializing_ = false;  // guarded by init_mu_
-  pid_t initialized_by_ = 0;   // pid that initialized it (the parent, once poisoned)
+  // The pid that initialized it (the parent, once poisoned): written under the initialization
+  // lock before state_ is published as kReady (release), read after state_ (acquire).
+  pid_t initialized_by_ = 0;
 };
 
 }  // namespace forksafe::device

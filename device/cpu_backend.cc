@@ -6,10 +6,14 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "forksafe/device/registry.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/memory_bounds.h"
 
 namespace forksafe::device {
+
+// Registers itself with the device registry at load time (this library is alwayslink).
+FORKSAFE_REGISTER_BACKEND(DeviceType::kCPU, CpuBackend);
 
 DeviceProperties CpuBackend::Properties(int index) const {
   CheckIndex(index, "Properties");

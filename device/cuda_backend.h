@@ -47,7 +47,7 @@ namespace internal {
 struct CudaContext;
 }  // namespace internal
 
-/// The CUDA backend. Registered in every build (device/registry.cc); see above.
+/// The CUDA backend. Registers itself in every build (device/cuda_backend.cc); see above.
 class CudaBackend final : public Backend, public IpcBackend {
  public:
   /// Events each device's IPC event pool holds at most.

@@ -2,18 +2,18 @@
 
 #include <array>
 #include <atomic>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include <cstdio>
+#include <exception>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "forksafe/device/cpu_backend.h"
-#include "forksafe/device/cuda_backend.h"
 #include "forksafe/device/ipc.h"
-#include "forksafe/device/sim_backend.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/mutex.h"
 #include "forksafe/runtime/launch_info.h"
 
 namespace forksafe::device {
@@ -27,16 +27,27 @@ uint32_t Encode(const Device& d) {
 }
 Device Decode(uint32_t v) { return Device(static_cast<DeviceType>(v >> 24), v & 0xFFFFFF); }
 
+// The factories of self-registered backends (FORKSAFE_REGISTER_BACKEND), by DeviceType. Constant-
+// initialized, so that registrations from static initializers may come in any order.
+runtime::internal::Mutex g_factories_mu;
+BackendFactory g_factories[kNumDeviceTypes] ABSL_GUARDED_BY(g_factories_mu) = {};
+bool g_registry_built ABSL_GUARDED_BY(g_factories_mu) = false;
+
 struct Registry {
   std::array<std::atomic<Backend*>, kNumDeviceTypes> backends{};
   std::atomic<uint32_t> default_device{Encode(kCPU)};
 
   Registry() {
     for (auto& b : backends) b.store(nullptr);
-    backends[static_cast<int>(DeviceType::kCPU)].store(new CpuBackend());
-    backends[static_cast<int>(DeviceType::kSimAccel)].store(new SimBackend());
-    // Always registered: without headers, driver or GPU it has no devices (and says why).
-    backends[static_cast<int>(DeviceType::kCUDA)].store(new CudaBackend());
+    {
+      // Every registered backend, in DeviceType order (cpu, sim, cuda); later registrations make
+      // theirs at once (RegisterBackendFactory).
+      runtime::internal::MutexLock lk(&g_factories_mu);
+      g_registry_built = true;
+      for (int i = 0; i < kNumDeviceTypes; ++i) {
+        if (g_factories[i] != nullptr) backends[i].store(g_factories[i]().release());
+      }
+    }
     runtime::AtForkHandler h;
     h.name = "device_registry";
     h.prepare = [this](const runtime::PrepareAttempt&) {
@@ -84,6 +95,35 @@ void RegisterBackend(std::unique_ptr<Backend> backend) {
                              "\" is already registered (\"", expected->name(), "\")"));
   }
   backend.release();  // owned by the registry for the life of the process
+}
+
+bool RegisterBackendFactory(DeviceType type, BackendFactory factory) noexcept {
+  const int i = static_cast<int>(type);
+  if (factory == nullptr || i < 0 || i >= kNumDeviceTypes) {
+    std::fprintf(stderr, "forksafe: RegisterBackendFactory: no factory, or device type %d is out "
+                         "of range; ignored\n", i);
+    return false;
+  }
+  bool built = false;
+  {
+    runtime::internal::MutexLock lk(&g_factories_mu);
+    if (g_factories[i] != nullptr) {
+      std::fprintf(stderr, "forksafe: a second backend for device type \"%s\" registered itself; "
+                           "the first one is kept\n", DeviceTypeName(type));
+      return false;
+    }
+    g_factories[i] = factory;
+    built = g_registry_built;
+  }
+  if (!built) return true;  // made when the registry is first used
+  try {
+    RegisterBackend(factory());  // registered after the registry's first use: made now
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "forksafe: registering the backend for device type \"%s\" failed: %s\n",
+                 DeviceTypeName(type), e.what());
+    return false;
+  }
+  return true;
 }
 
 bool HasBackend(DeviceType type) {

@@ -1,10 +1,14 @@
 // device/registry.h: the backends of this process, the default device and the current device.
 //
 // What it offers
-//   One registry per process, holding a backend per DeviceType. The CPU backend and the simulated
-//   accelerator are built in; later backends (CUDA) register themselves. The registry keeps a
-//   process-wide default device and a per-thread current device (DeviceGuard sets it for a
-//   scope), and forwards memory operations to the right backend.
+//   One registry per process, holding a backend per DeviceType. It knows backends only through
+//   the Backend interface: each backend registers itself (FORKSAFE_REGISTER_BACKEND in its own
+//   .cc: cpu_backend.cc, sim_backend.cc, cuda_backend.cc, as c10's backends do), and the registry
+//   makes every registered backend when it is first used, in DeviceType order (cpu, sim, cuda),
+//   whatever the order of registration. A backend registered after that first use is made at
+//   once. RegisterBackend() adds an already-made backend for a type no one registered. The
+//   registry keeps a process-wide default device and a per-thread current device (DeviceGuard
+//   sets it for a scope), and forwards memory operations to the right backend.
 //
 // Fork behaviour (the registry registers one at-fork handler on first use)
 //   In a forked child: the default device becomes CPU (as MindSpore does), the forking thread's
@@ -13,7 +17,21 @@
 //
 // Guarantees
 //   - DeviceCount(), HasBackend() and Properties() never initialize a backend; safe in a child.
-//   - Thread-safe; lookups are lock-free.
+//   - Thread-safe; lookups are lock-free. Registration takes a small lock (never held while a
+//     backend runs an operation).
+//   - The CUDA backend is registered in every build: without headers, driver or GPU it has no
+//     devices (and says why).
+//
+// Hazards
+//   - Self-registration runs from static initializers (FORKSAFE_REGISTER_BACKEND), so each
+//     backend's library must be linked whole: //device:cpu_backend, :sim_backend and
+//     :cuda_backend are `alwayslink` (device/BUILD.bazel), and //device depends on all three. A
+//     target that links a backend's object some other way (a static archive without
+//     --whole-archive) silently loses that backend: HasBackend() says false for its type.
+//   - A backend factory runs under the registration lock, on the first thread that uses the
+//     registry: it must not call into the registry (construct only; initialize on first use).
+//   - A fork while another thread registers a backend leaves the registration lock held in the
+//     child; registering there would then block. Registration happens at load time in practice.
 #ifndef FORKSAFE_DEVICE_REGISTRY_H_
 #define FORKSAFE_DEVICE_REGISTRY_H_
 
@@ -29,6 +47,24 @@ namespace forksafe::device {
 
 /// Adds a backend for its type(). Throws kAlreadyExists when one is registered for that type.
 void RegisterBackend(std::unique_ptr<Backend> backend);
+
+/// Makes a backend; registered with RegisterBackendFactory.
+using BackendFactory = std::unique_ptr<Backend> (*)();
+
+/// Registers the factory of the backend for `type` (normally through FORKSAFE_REGISTER_BACKEND,
+/// at load time). The registry calls it when it is first used, or at once if that has happened.
+/// Returns false (and reports on stderr) when `type` has a factory already, or is out of range;
+/// never throws (it runs from static initializers).
+bool RegisterBackendFactory(DeviceType type, BackendFactory factory) noexcept;
+
+/// Registers `Class` (default-constructible, derived from Backend) as the backend for `type`.
+/// Use once, at namespace scope, in the backend's own .cc; its library must be `alwayslink`.
+#define FORKSAFE_REGISTER_BACKEND(type, Class)                                          \
+  [[maybe_unused]] static const bool forksafe_backend_registered_##Class =             \
+      ::forksafe::device::RegisterBackendFactory(                                      \
+          (type), []() -> std::unique_ptr<::forksafe::device::Backend> {               \
+            return std::make_unique<Class>();                                          \
+          })
 
 /// True when a backend is registered for `type`.
 bool HasBackend(DeviceType type);

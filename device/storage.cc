@@ -5,18 +5,17 @@
 #include <atomic>
 #include <cstdio>
 #include <exception>
-#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "forksafe/device/internal/storage_impl.h"
 #include "forksafe/device/registry.h"
 #include "forksafe/runtime/error.h"
 
 namespace forksafe::device {
 namespace internal {
 
-// Runs `deleter(data)`, which must not throw; reports instead of throwing when it does.
-static void Release(const Device& device, size_t nbytes, const std::function<void(void*)>& deleter,
+void Release(const Device& device, size_t nbytes, const std::function<void(void*)>& deleter,
              void* data) noexcept {
   if (!deleter) return;
   try {
@@ -40,51 +39,6 @@ static void Release(const Device& device, size_t nbytes, const std::function<voi
                  device.ToString().c_str(), nbytes, static_cast<int>(getpid()));
   }
 }
-
-struct StorageImpl {
-  const Device device;
-  std::atomic<void*> data;
-  const size_t nbytes;
-  std::mutex mu;  // guards deleter (against MoveStorageData) and sharing_context
-  std::function<void(void*)> deleter;  // empty: borrowed memory, or nothing to free
-  std::atomic<bool> shared{false};
-  std::shared_ptr<void> sharing_context;
-  bool from_allocate = false;  // made by Storage::Allocate; set once, before any sharing
-
-  StorageImpl(Device d, void* p, size_t n, std::function<void(void*)> del)
-      : device(d), data(p), nbytes(n), deleter(std::move(del)) {}
-
-  // No handle is left, so nothing else can touch the block: no lock needed.
-  ~StorageImpl() { Release(device, nbytes, deleter, data.load(std::memory_order_acquire)); }
-};
-
-void MoveStorageData(const Storage& storage, void* new_data,
-                     std::function<void(void*)> new_deleter) {
-  StorageImpl& impl = *storage.impl_;
-  if (new_data == nullptr && impl.nbytes != 0) {
-    throw runtime::Error(runtime::ErrorCode::kInvalidArgument,
-                         absl::StrCat("MoveStorageData: null destination for a ",
-                                      impl.device.ToString(), " storage of ", impl.nbytes,
-                                      " bytes"));
-  }
-  void* old_data = nullptr;
-  std::function<void(void*)> old_deleter;
-  {
-    std::lock_guard<std::mutex> lk(impl.mu);
-    old_data = impl.data.exchange(new_data, std::memory_order_acq_rel);
-    old_deleter = std::exchange(impl.deleter, std::move(new_deleter));
-  }
-  Release(impl.device, impl.nbytes, old_deleter, old_data);  // outside the lock
-}
-
-std::function<void(void*)> ExchangeStorageRelease(const Storage& storage,
-                                                  std::function<void(void*)> new_release) {
-  StorageImpl& impl = *storage.impl_;
-  std::lock_guard<std::mutex> lk(impl.mu);
-  return std::exchange(impl.deleter, std::move(new_release));
-}
-
-bool IsBackendAllocation(const Storage& storage) { return storage.impl_->from_allocate; }
 
 }  // namespace internal
 
@@ -134,14 +88,14 @@ bool Storage::is_shared() const { return impl_->shared.load(std::memory_order_ac
 void Storage::set_shared(bool shared) const { impl_->shared.store(shared, std::memory_order_release); }
 
 std::shared_ptr<void> Storage::sharing_context() const {
-  std::lock_guard<std::mutex> lk(impl_->mu);
+  runtime::internal::MutexLock lk(&impl_->mu);
   return impl_->sharing_context;
 }
 
 void Storage::set_sharing_context(std::shared_ptr<void> context) const {
   std::shared_ptr<void> old;
   {
-    std::lock_guard<std::mutex> lk(impl_->mu);
+    runtime::internal::MutexLock lk(&impl_->mu);
     old = std::exchange(impl_->sharing_context, std::move(context));
   }
   // `old` is released here, outside the lock: its destructor may do anything.

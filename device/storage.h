@@ -7,16 +7,17 @@
 //     it (device/registry.h);
 //   - Storage::FromExternal(device, data, nbytes, deleter) wraps memory that someone else
 //     allocated; `deleter(data)` runs when the last handle goes. This is how DLPack imports
-//     (device/dlpack.h) and, later, memory mapped from shared segments (mp/) become tensors.
-//   Tensors (device/tensor.h) are views over a Storage.
+//     (device/dlpack.h) and memory mapped from shared segments (mp/) become tensors.
+//   Tensors (device/tensor.h) are views over a Storage. What a sharing layer (mp/) may do to a
+//   storage beyond this API is the extension point of device/storage_sharing.h.
 //
 // Guarantees
 //   - The reference count is atomic: handles to the same block may be copied and destroyed from
 //     any threads at once. The release (Free or deleter) runs exactly once, on the thread that
 //     drops the last handle.
 //   - The block's size and device never change. Its address changes only when the sharing layer
-//     moves the contents into shared memory (internal::MoveStorageData, used by mp/'s
-//     share_memory_()); every handle and tensor over the block sees the new address at once.
+//     moves the contents into shared memory (MoveStorageData of device/storage_sharing.h, used by
+//     mp/'s share_memory_()); every handle and tensor over the block sees the new address at once.
 //   - Zero-byte storages are allowed; their data() may be null and nothing is ever freed.
 //   - is_shared() and sharing_context() may be read and written from any thread.
 //
@@ -31,37 +32,30 @@
 //     quietly forgets it (the parent still frees its own handle normally).
 //
 // Hazards
-//   - internal::MoveStorageData releases the old memory: a raw data() pointer taken before the
-//     move dangles afterwards, and a move racing with another thread's use of the data is a
-//     use-after-free. mp/ moves a block only from share_memory_(), which documents this.
+//   - MoveStorageData (device/storage_sharing.h) releases the old memory: a raw data() pointer
+//     taken before the move dangles afterwards, and a move racing with another thread's use of
+//     the data is a use-after-free. mp/ moves a block only from share_memory_(), which documents
+//     this.
 //   - A deleter passed to FromExternal must not throw. If it does, the exception is caught and
 //     reported on stderr (a destructor cannot throw).
 //   - A fork at the very instant another thread is inside set_sharing_context(),
-//     sharing_context() or internal::MoveStorageData() of the same Storage leaves that storage's
-//     small internal lock held in the child; calling any of the three on that storage in the child
-//     would then block forever.
+//     sharing_context(), MoveStorageData() or WrapStorageRelease() of the same Storage leaves that
+//     storage's small internal lock held in the child; calling any of them on that storage in the
+//     child would then block forever.
 #ifndef FORKSAFE_DEVICE_STORAGE_H_
 #define FORKSAFE_DEVICE_STORAGE_H_
 
 #include <cstddef>
 #include <functional>
 #include <memory>
-#include <optional>
 
 #include "forksafe/device/device.h"
 
 namespace forksafe::device {
 
-class Storage;
-
 namespace internal {
 struct StorageImpl;
-class WeakStorage;
-void MoveStorageData(const Storage& storage, void* new_data,
-                     std::function<void(void*)> new_deleter);
-std::function<void(void*)> ExchangeStorageRelease(const Storage& storage,
-                                                  std::function<void(void*)> new_release);
-bool IsBackendAllocation(const Storage& storage);
+struct StorageAccess;
 }  // namespace internal
 
 /// A shared, reference-counted block of memory on one device. Copies share the block.
@@ -87,7 +81,7 @@ class Storage {
 
   /// Address of the block: a host pointer for the CPU, a device pointer otherwise (for the
   /// simulated accelerator, a tagged address that must not be dereferenced on the host). Changes
-  /// only through internal::MoveStorageData (see the hazard above).
+  /// only through MoveStorageData (device/storage_sharing.h; see the hazard above).
   void* data() const;
   /// Size of the block in bytes.
   size_t nbytes() const;
@@ -115,55 +109,11 @@ class Storage {
   friend bool operator!=(const Storage& a, const Storage& b) { return !(a == b); }
 
  private:
-  friend class internal::WeakStorage;
-  friend void internal::MoveStorageData(const Storage&, void*, std::function<void(void*)>);
-  friend std::function<void(void*)> internal::ExchangeStorageRelease(
-      const Storage&, std::function<void(void*)>);
-  friend bool internal::IsBackendAllocation(const Storage&);
+  friend struct internal::StorageAccess;  // device/internal/storage_impl.h
   explicit Storage(std::shared_ptr<internal::StorageImpl> impl);
 
   std::shared_ptr<internal::StorageImpl> impl_;  // never null
 };
-
-namespace internal {
-
-/// For mp/ only: a reference to a Storage's block that does not keep it alive (mp/ maps each
-/// shared segment to one Storage with it). Thread-safe like std::weak_ptr.
-class WeakStorage {
- public:
-  WeakStorage() = default;
-  explicit WeakStorage(const Storage& storage) : impl_(storage.impl_) {}
-  /// True when the block has been released (or for a default-constructed WeakStorage).
-  bool expired() const { return impl_.expired(); }
-  /// A handle to the block, or nullopt when it has been released.
-  std::optional<Storage> Lock() const {
-    std::shared_ptr<StorageImpl> p = impl_.lock();
-    if (!p) return std::nullopt;
-    return Storage(std::move(p));
-  }
-
- private:
-  std::weak_ptr<StorageImpl> impl_;
-};
-
-/// For mp/ only (share_memory_): makes `new_data` the block's memory for every handle and tensor
-/// over it, with `new_deleter` as its release, then releases the old memory with the old
-/// release. The caller has already copied the contents: `new_data` holds storage.nbytes() bytes
-/// on the same device. Throws kInvalidArgument for a null `new_data` with a non-zero size.
-void MoveStorageData(const Storage& storage, void* new_data,
-                     std::function<void(void*)> new_deleter);
-
-/// For mp/ only (legacy IPC): makes `new_release` the block's release and returns the old one,
-/// which is NOT run: the caller takes it over (mp/ defers a framework's free while other processes
-/// still map the memory).
-std::function<void(void*)> ExchangeStorageRelease(const Storage& storage,
-                                                  std::function<void(void*)> new_release);
-
-/// True when the block was made by Storage::Allocate (the backend's own allocator), false for
-/// FromExternal memory.
-bool IsBackendAllocation(const Storage& storage);
-
-}  // namespace internal
 
 }  // namespace forksafe::device
 

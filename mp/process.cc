@@ -119,10 +119,6 @@ pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd,
 
 // ---- Process ------------------------------------------------------------------------------------
 
-namespace internal {
-std::atomic<ShareTensorHook> g_share_tensor_hook{nullptr};
-}  // namespace internal
-
 struct Process::Impl {
   ProcessOptions options;
   std::function<void()> local_target;

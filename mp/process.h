@@ -80,6 +80,7 @@
 #include <vector>
 
 #include "cereal/details/traits.hpp"
+#include "forksafe/device/storage_sharing.h"
 #include "forksafe/device/tensor.h"
 #include "forksafe/mp/codec.h"
 #include "forksafe/mp/connection.h"
@@ -131,20 +132,22 @@ struct ChildFailure {
 };
 
 namespace internal {
-/// Moves a tensor to shared memory; installed by mp/sharing (null when it is not linked).
-using ShareTensorHook = void (*)(const device::Tensor&);
-extern std::atomic<ShareTensorHook> g_share_tensor_hook;
+/// Installs mp/'s sharing layer in the device layer's extension point (device/storage_sharing.h),
+/// once per process; later calls cost one check. Defined in mp/sharing.cc: a target that passes
+/// tensors to a Process links //mp:sharing (as it must to encode them: mp/codec.h).
+void InstallStorageSharing();
 
-/// With the fork start method arguments are copied with the parent's memory, not encoded: tensor
-/// arguments are moved to shared memory first, so that they cross without copies there too.
+/// With the fork start method arguments are copied with the parent's memory, not encoded: CPU
+/// tensor arguments are moved to shared memory first (device::ShareHostStorage), so that they
+/// cross without copies there too.
 template <class T>
 void ShareForFork(const T& value) {
   if constexpr (std::is_same_v<T, device::Tensor>) {
-    if (ShareTensorHook h = g_share_tensor_hook.load()) h(value);
+    InstallStorageSharing();
+    device::ShareHostStorage(value.storage());
   } else if constexpr (std::is_same_v<T, std::vector<device::Tensor>>) {
-    if (ShareTensorHook h = g_share_tensor_hook.load()) {
-      for (const device::Tensor& t : value) h(t);
-    }
+    InstallStorageSharing();
+    for (const device::Tensor& t : value) device::ShareHostStorage(t.storage());
   }
 }
 }  // namespace internal

@@ -7,20 +7,23 @@
 #include <cstdlib>
 #include <cstring>
 #include <list>
-#include <mutex>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 #include "forksafe/device/ipc.h"
 #include "forksafe/device/registry.h"
 #include "forksafe/device/storage.h"
+#include "forksafe/device/storage_sharing.h"
 #include "forksafe/mp/process.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/mutex.h"
 
 namespace forksafe::mp {
 
 using runtime::Error;
 using runtime::ErrorCode;
+using runtime::internal::Mutex;
+using runtime::internal::MutexLock;
 
 namespace {
 
@@ -39,9 +42,10 @@ struct SharingContext {
 // Storages backed by shared blocks in this process, by block key, so that a block that arrives
 // again (or comes back to its creator) becomes the same Storage.
 struct Identity {
-  std::mutex mu;
-  std::unordered_map<std::string, device::internal::WeakStorage> by_key;
-  size_t prune_at = 4096;  // prune dead entries when the map grows past this (amortized O(1))
+  Mutex mu;
+  std::unordered_map<std::string, device::WeakStorage> by_key ABSL_GUARDED_BY(mu);
+  // Prune dead entries when the map grows past this (amortized O(1)).
+  size_t prune_at ABSL_GUARDED_BY(mu) = 4096;
 };
 Identity& Ids() {
   static auto* ids = new Identity();
@@ -66,26 +70,30 @@ device::IpcBackend& DeviceIpc(const device::Tensor& t, const char* what) {
 
 void Remember(const std::shared_ptr<internal::SharedBlock>& block, const device::Storage& s) {
   Identity& ids = Ids();
-  std::lock_guard<std::mutex> lk(ids.mu);
+  MutexLock lk(&ids.mu);
   if (ids.by_key.size() > ids.prune_at) {
     for (auto it = ids.by_key.begin(); it != ids.by_key.end();) {
       it = it->second.expired() ? ids.by_key.erase(it) : std::next(it);
     }
     ids.prune_at = std::max<size_t>(4096, 2 * ids.by_key.size());
   }
-  ids.by_key[block->key()] = device::internal::WeakStorage(s);
+  ids.by_key[block->key()] = device::WeakStorage(s);
 }
 
-void ShareStorage(const device::Storage& s) {
-  static std::mutex mu;  // two threads sharing the same storage at once share it once
-  std::lock_guard<std::mutex> lk(mu);
-  if (s.is_shared()) return;
+// Moves a CPU storage into a shared block (once) and returns its context: null only for a storage
+// marked shared by someone else without one.
+std::shared_ptr<SharingContext> ShareStorage(const device::Storage& s) {
+  static Mutex mu;  // two threads sharing the same storage at once share it once
+  MutexLock lk(&mu);
+  if (s.is_shared()) return std::static_pointer_cast<SharingContext>(s.sharing_context());
   auto block = internal::SharedArena::Get().Allocate(s.nbytes(), Kind(), g_cache.load());
   if (s.nbytes() > 0) std::memcpy(block->data(), s.data(), s.nbytes());
-  device::internal::MoveStorageData(s, block->data(), [keep = block](void*) mutable { keep.reset(); });
-  s.set_sharing_context(std::make_shared<SharingContext>(SharingContext{block}));
+  device::MoveStorageData(s, block->data(), [keep = block](void*) mutable { keep.reset(); });
+  auto ctx = std::make_shared<SharingContext>(SharingContext{block});
+  s.set_sharing_context(ctx);
   s.set_shared(true);
   Remember(block, s);
+  return ctx;
 }
 
 // ---- Accelerator tensors ------------------------------------------------------------------------
@@ -99,8 +107,8 @@ struct DeferredRelease {
   std::string what;
 };
 struct Deferred {
-  std::mutex mu;
-  std::list<DeferredRelease> list;
+  Mutex mu;
+  std::list<DeferredRelease> list ABSL_GUARDED_BY(mu);
 };
 Deferred& Defer() {
   static auto* d = new Deferred();
@@ -111,7 +119,7 @@ void RunDeferredReleases() {
   std::list<DeferredRelease> ready;
   {
     Deferred& d = Defer();
-    std::lock_guard<std::mutex> lk(d.mu);
+    MutexLock lk(&d.mu);
     for (auto it = d.list.begin(); it != d.list.end();) {
       if (it->count->shared_count() <= 1) {
         ready.splice(ready.end(), d.list, it++);
@@ -127,7 +135,7 @@ void RunDeferredReleases() {
 
 void ReportLegacyAtExit() {
   Deferred& d = Defer();
-  std::lock_guard<std::mutex> lk(d.mu);
+  MutexLock lk(&d.mu);
   for (const DeferredRelease& r : d.list) {
     const int32_t others = r.count->shared_count() - 1;
     if (others > 0) {
@@ -144,13 +152,13 @@ void ReportLegacyAtExit() {
 // Sets up a device storage for sending, once: its holder count, and for forksafe's own
 // allocations the hold that keeps the block out of reuse while other processes use it.
 std::shared_ptr<SharingContext> DeviceSharing(const device::Storage& s, device::IpcBackend& ipc) {
-  static std::mutex mu;  // two threads sending the same storage at once set it up once
-  std::lock_guard<std::mutex> lk(mu);
+  static Mutex mu;  // two threads sending the same storage at once set it up once
+  MutexLock lk(&mu);
   if (auto ctx = std::static_pointer_cast<SharingContext>(s.sharing_context())) return ctx;
   auto ctl = internal::SharedArena::Get().Allocate(64, Kind(), true);
   auto ctx = std::make_shared<SharingContext>(SharingContext{ctl, false});
   const int index = s.device().index;
-  if (device::internal::IsBackendAllocation(s)) {
+  if (device::IsBackendAllocation(s)) {
     // Reusable by our allocator once no other process holds it (the predicate's own reference
     // is the one left).
     ipc.HoldAfterFree(index, s.data(), [ctl] { return ctl->shared_count() <= 1; });
@@ -158,11 +166,11 @@ std::shared_ptr<SharingContext> DeviceSharing(const device::Storage& s, device::
     // A framework's own memory: a legacy handle, valid only while this process keeps it. Defer
     // the framework's free while receivers hold it, and say that the rule was broken.
     ctx->legacy = true;
-    std::function<void(void*)> old = device::internal::ExchangeStorageRelease(s, nullptr);
     const std::string what = absl::StrCat("a tensor of ", s.nbytes(), " bytes on ",
                                           s.device().ToString());
-    device::internal::ExchangeStorageRelease(
-        s, [ctl, old = std::move(old), what](void* data) mutable {
+    device::WrapStorageRelease(s, [&ctl, &what](std::function<void(void*)> old) {
+      return std::function<void(void*)>(
+        [ctl, old = std::move(old), what](void* data) mutable {
           if (ctl->shared_count() <= 1) {
             if (old) old(data);
             return;
@@ -177,9 +185,10 @@ std::shared_ptr<SharingContext> DeviceSharing(const device::Storage& s, device::
           static const bool at_exit = [] { return std::atexit(ReportLegacyAtExit) == 0; }();
           (void)at_exit;
           Deferred& d = Defer();
-          std::lock_guard<std::mutex> lk(d.mu);
+          MutexLock lk(&d.mu);
           d.list.push_back(DeferredRelease{ctl, std::move(old), data, what});
         });
+    });
   }
   s.set_sharing_context(ctx);
   s.set_shared(true);
@@ -255,13 +264,13 @@ device::Storage ImportDeviceStorage(internal::TensorHandle& h,
 
   device::Storage storage;
   Identity& ids = Ids();
-  std::unique_lock<std::mutex> lk(ids.mu);
+  MutexLock lk(&ids.mu);
   auto it = ids.by_key.find(ctl->key());
   std::optional<device::Storage> known;
   if (it != ids.by_key.end()) known = it->second.Lock();
   if (known.has_value()) {
     storage = *known;  // our adopted reference goes with `ctl`
-    lk.unlock();
+    lk.Unlock();
   } else {
     device::IpcMemoryHandle m;
     m.device = dev;
@@ -285,23 +294,25 @@ device::Storage ImportDeviceStorage(internal::TensorHandle& h,
     storage.set_sharing_context(std::make_shared<SharingContext>(
         SharingContext{ctl, w.kind == static_cast<uint8_t>(device::IpcKind::kLegacy), true}));
     storage.set_shared(true);
-    ids.by_key[ctl->key()] = device::internal::WeakStorage(storage);
-    lk.unlock();
+    ids.by_key[ctl->key()] = device::WeakStorage(storage);
+    lk.Unlock();
   }
   // Whatever this process queues on the tensor from now on runs after the producer's writes.
   ipc.WaitIpcEvent(dev.index, e);
   return storage;
 }
 
-// Lets Process share tensor arguments before a fork (mp/process.h).
-const bool g_hook_installed = [] {
-  internal::g_share_tensor_hook.store(+[](const device::Tensor& t) {
-    if (t.device().is_cpu()) ShareStorage(t.storage());
-  });
-  return true;
-}();
+// mp/'s side of the device layer's extension point (device/storage_sharing.h).
+const device::StorageSharing kSharing{"mp", [](const device::Storage& s) { ShareStorage(s); }};
 
 }  // namespace
+
+namespace internal {
+void InstallStorageSharing() {
+  static const bool installed = (device::InstallStorageSharing(&kSharing), true);
+  (void)installed;
+}
+}  // namespace internal
 
 std::vector<std::string> get_all_sharing_strategies() { return {"file_descriptor", "file_system"}; }
 
@@ -324,6 +335,7 @@ void set_sharing_strategy(const std::string& strategy) {
 void set_sharing_cache_enabled(bool enabled) { g_cache = enabled; }
 
 device::Tensor& share_memory_(device::Tensor& tensor) {
+  internal::InstallStorageSharing();
   if (tensor.device().is_cpu()) {
     ShareStorage(tensor.storage());
   } else {
@@ -334,6 +346,7 @@ device::Tensor& share_memory_(device::Tensor& tensor) {
 }
 
 device::Tensor SharedEmpty(const std::vector<int64_t>& shape, device::DType dtype) {
+  internal::InstallStorageSharing();
   int64_t n = 1;
   for (int64_t d : shape) {
     if (d < 0) {
@@ -354,6 +367,7 @@ device::Tensor SharedEmpty(const std::vector<int64_t>& shape, device::DType dtyp
 namespace internal {
 
 TensorHandle ExportTensor(const device::Tensor& t) {
+  InstallStorageSharing();
   if (!t.device().is_cpu()) {
     TensorHandle h;
     h.dtype = static_cast<uint8_t>(t.dtype());
@@ -363,8 +377,7 @@ TensorHandle ExportTensor(const device::Tensor& t) {
     ExportDeviceTensor(t, h);
     return h;
   }
-  ShareStorage(t.storage());
-  auto ctx = std::static_pointer_cast<SharingContext>(t.storage().sharing_context());
+  const std::shared_ptr<SharingContext> ctx = ShareStorage(t.storage());
   if (!ctx) {
     throw Error(ErrorCode::kInternal, "a shared storage lost its sharing context");
   }
@@ -386,6 +399,7 @@ void CheckTensorHandle(const TensorHandle& h) {
 }
 
 device::Tensor ImportTensor(TensorHandle h) {
+  InstallStorageSharing();
   CheckTensorHandle(h);
   auto block = SharedArena::Get().Import(std::move(h.block));
   device::Storage storage;
@@ -393,7 +407,7 @@ device::Tensor ImportTensor(TensorHandle h) {
     storage = ImportDeviceStorage(h, std::move(block));
   } else {
     Identity& ids = Ids();
-    std::lock_guard<std::mutex> lk(ids.mu);
+    MutexLock lk(&ids.mu);
     auto it = ids.by_key.find(block->key());
     std::optional<device::Storage> known;
     if (it != ids.by_key.end()) known = it->second.Lock();
@@ -410,7 +424,7 @@ device::Tensor ImportTensor(TensorHandle h) {
                                               [keep = block](void*) mutable { keep.reset(); });
       storage.set_sharing_context(std::make_shared<SharingContext>(SharingContext{block}));
       storage.set_shared(true);
-      ids.by_key[block->key()] = device::internal::WeakStorage(storage);
+      ids.by_key[block->key()] = device::WeakStorage(storage);
     }
   }
   // FromStorage validates that the view fits inside the storage.

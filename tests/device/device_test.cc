@@ -70,6 +70,15 @@ TEST(RegistryTest, BuiltInBackendsAndErrors) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kAlreadyExists);
   }
+  // Every backend registered itself (FORKSAFE_REGISTER_BACKEND); a second factory for a type is
+  // refused without throwing (it runs from static initializers).
+  EXPECT_TRUE(HasBackend(DeviceType::kCPU));
+  EXPECT_TRUE(HasBackend(DeviceType::kSimAccel));
+  EXPECT_TRUE(HasBackend(DeviceType::kCUDA));
+  EXPECT_FALSE(RegisterBackendFactory(DeviceType::kCPU, []() -> std::unique_ptr<Backend> {
+    return std::make_unique<CpuBackend>();
+  }));
+  EXPECT_EQ(GetBackend(DeviceType::kCPU).name(), "cpu");
   std::vector<Device> all = AvailableDevices();
   ASSERT_GE(all.size(), 3u);
   EXPECT_EQ(all[0], kCPU);

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -21,6 +22,7 @@
 #include "forksafe/device/registry.h"
 #include "forksafe/device/sim_backend.h"
 #include "forksafe/device/storage.h"
+#include "forksafe/device/storage_sharing.h"
 #include "forksafe/device/tensor.h"
 #include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
@@ -200,7 +202,8 @@ TEST(StorageTest, AThrowingDeleterDoesNotEscape) {
   EXPECT_EQ(calls, 1);
 }
 
-// The two hooks mp/ uses for share_memory_ (in-place move) and for its storage identity table.
+// What the sharing layer's extension point (device/storage_sharing.h) lets mp/ do: move a block
+// in place (share_memory_), keep an identity table (WeakStorage), wrap a release (legacy IPC).
 TEST(StorageTest, MoveStorageDataRedirectsEveryHandleAndReleasesTheOldMemory) {
   std::atomic<int> old_releases{0}, new_releases{0};
   void* old_ptr = nullptr;
@@ -210,7 +213,7 @@ TEST(StorageTest, MoveStorageDataRedirectsEveryHandleAndReleasesTheOldMemory) {
   for (int i = 0; i < 4; ++i) t.set<float>({i}, static_cast<float>(i));
   std::vector<float> replacement(4);
   std::memcpy(replacement.data(), old_ptr, 4 * sizeof(float));  // the caller copies first
-  internal::MoveStorageData(s, replacement.data(), [&](void* p) {
+  MoveStorageData(s, replacement.data(), [&](void* p) {
     EXPECT_EQ(p, replacement.data());
     new_releases.fetch_add(1);
   });
@@ -223,7 +226,7 @@ TEST(StorageTest, MoveStorageDataRedirectsEveryHandleAndReleasesTheOldMemory) {
   EXPECT_EQ(replacement[1], 10.f);
   EXPECT_EQ(s.use_count(), 3);
   EXPECT_ERROR(ErrorCode::kInvalidArgument, "null destination",
-               internal::MoveStorageData(s, nullptr, nullptr));
+               MoveStorageData(s, nullptr, nullptr));
   s = Storage();
   t = Tensor();
   view = Tensor();
@@ -231,13 +234,61 @@ TEST(StorageTest, MoveStorageDataRedirectsEveryHandleAndReleasesTheOldMemory) {
   EXPECT_EQ(old_releases.load(), 1);
 }
 
+TEST(StorageTest, WrapStorageReleaseRunsTheWrapperWithTheOldRelease) {
+  std::atomic<int> old_releases{0}, wrapper_calls{0};
+  Storage s = CountedCpuStorage(16, &old_releases);
+  EXPECT_FALSE(IsBackendAllocation(s));
+  EXPECT_TRUE(IsBackendAllocation(Storage::Allocate(kCPU, 16)));
+  WrapStorageRelease(s, [&](std::function<void(void*)> old) {
+    return std::function<void(void*)>([&, old](void* p) {
+      wrapper_calls.fetch_add(1);
+      old(p);
+    });
+  });
+  EXPECT_EQ(old_releases.load(), 0);
+  s = Storage();
+  EXPECT_EQ(wrapper_calls.load(), 1);
+  EXPECT_EQ(old_releases.load(), 1);
+}
+
+// The extension point itself: one sharing layer per process, reached by ShareHostStorage for CPU
+// storages only. (This binary does not link mp/, so the test installs its own.)
+std::atomic<int> g_test_shares{0};
+void TestShare(const Storage& s) {
+  g_test_shares.fetch_add(1);
+  s.set_shared(true);
+}
+const StorageSharing kTestSharing{"test", &TestShare};
+const StorageSharing kOtherSharing{"other", &TestShare};
+
+TEST(StorageSharingTest, InstallOnceAndShareHostStoragesOnly) {
+  Storage cpu = Storage::Allocate(kCPU, 8);
+  if (GetStorageSharing() == nullptr) {
+    EXPECT_FALSE(ShareHostStorage(cpu));  // nothing installed: memory stays private
+    EXPECT_FALSE(cpu.is_shared());
+  }
+  InstallStorageSharing(&kTestSharing);
+  InstallStorageSharing(&kTestSharing);  // the same table again: a no-op
+  EXPECT_EQ(GetStorageSharing(), &kTestSharing);
+  EXPECT_ERROR(ErrorCode::kAlreadyExists, "\"test\" is installed already",
+               InstallStorageSharing(&kOtherSharing));
+  EXPECT_ERROR(ErrorCode::kInvalidArgument, "null", InstallStorageSharing(nullptr));
+  const int before = g_test_shares.load();
+  EXPECT_TRUE(ShareHostStorage(cpu));
+  EXPECT_TRUE(cpu.is_shared());
+  EXPECT_EQ(g_test_shares.load(), before + 1);
+  Storage sim = Storage::Allocate(Device(DeviceType::kSimAccel, 0), 8);
+  EXPECT_FALSE(ShareHostStorage(sim));  // device memory is shared through device/ipc.h instead
+  EXPECT_EQ(g_test_shares.load(), before + 1);
+}
+
 TEST(StorageTest, WeakStorageDoesNotKeepTheBlockAlive) {
-  internal::WeakStorage none;
+  WeakStorage none;
   EXPECT_TRUE(none.expired());
   EXPECT_FALSE(none.Lock().has_value());
   std::atomic<int> releases{0};
   Storage s = CountedCpuStorage(8, &releases);
-  internal::WeakStorage w(s);
+  WeakStorage w(s);
   EXPECT_FALSE(w.expired());
   EXPECT_EQ(s.use_count(), 1);
   {
