@@ -56,7 +56,7 @@ void Backend::EnsureUsable(const char* what) {
                              "initialize the backend only after forking. (A forked child's "
                              "default device is cpu.)"));
   }
-  struct Users {  // counts this thread as a user of init_mu_ for the whole critical section
+  struct Users {  // counts this thread as a user of the lock for the whole critical section
     std::atomic<int>& n;
     explicit Users(std::atomic<int>& c) : n(c) { n.fetch_add(1); }
     ~Users() { n.fetch_sub(1); }

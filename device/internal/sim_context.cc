@@ -134,6 +134,8 @@ void SimContext::RaiseAsyncError() {
   if (async_error) std::rethrow_exception(std::exchange(async_error, nullptr));
 }
 
+// ---- memory ------------------------------------------------------------------------------------
+
 // The device offset of a tagged pointer of device `index`; throws for anything else.
 uint64_t SimContext::Offset(int index, const void* dev_ptr, const char* what) {
   const uint64_t v = reinterpret_cast<uint64_t>(dev_ptr);
