@@ -244,13 +244,7 @@ class AsyncResult {
       s.job->ThrowTimeout("AsyncResult::get", timeout);
     }
     if (std::exception_ptr e = s.job->first_error()) std::rethrow_exception(e);
-    runtime::internal::MutexLock lk(&s.mu);
-    R& v = s.ValueLocked();
-    if constexpr (std::is_copy_constructible_v<R>) {
-      return v;
-    } else {
-      return std::move(v);
-    }
+    return s.Get();
   }
   /// Waits at most `timeout` until the result is ready; returns whether it is.
   bool wait(Timeout timeout = std::nullopt) {

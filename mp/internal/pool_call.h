@@ -312,11 +312,12 @@ template <class W, class T, class G>
 ChunkReader MakeChunkReader(G&& generator, size_t cs) {
   using Gen = std::decay_t<G>;
   struct Source {
+    explicit Source(G&& g) : gen(std::forward<G>(g)) {}
     Gen gen;
     bool ended = false;
     std::exception_ptr error;  // thrown by the generator after part of a chunk was read
   };
-  auto src = std::make_shared<Source>(Source{Gen(std::forward<G>(generator)), false, nullptr});
+  auto src = std::make_shared<Source>(std::forward<G>(generator));
   return [src, cs]() -> std::optional<std::pair<Message, size_t>> {
     if (src->error) std::rethrow_exception(std::exchange(src->error, nullptr));
     std::vector<W> slice;

@@ -92,6 +92,18 @@ struct AsyncResultState {
     }
     return *value;
   }
+
+  /// The result for AsyncResult::get(): a copy, or the value itself for a move-only R (which
+  /// can then be taken once).
+  R Get() ABSL_LOCKS_EXCLUDED(mu) {
+    runtime::internal::MutexLock lk(&mu);
+    R& v = ValueLocked();
+    if constexpr (std::is_copy_constructible_v<R>) {
+      return v;
+    } else {
+      return std::move(v);
+    }
+  }
 };
 
 /// A job's callback: assembles the result and calls cbs.on_result, or calls cbs.on_error (a
