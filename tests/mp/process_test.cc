@@ -252,6 +252,37 @@ TEST(ProcessErrorsTest, StartMethodsAndContexts) {
   EXPECT_EQ(p.exitcode(), 0);
 }
 
+TEST(ProcessErrorsTest, StartMethodsAreValuesParsedAtTheEdge) {
+  // Names convert where they are given; the library compares values.
+  ProcessOptions o;
+  EXPECT_TRUE(o.start_method.is_default());
+  o.start_method = "spawn";
+  EXPECT_EQ(o.start_method, StartMethod::kSpawn);
+  o.start_method = StartMethod::kForkServer;
+  EXPECT_STREQ(o.start_method.name(), "forkserver");
+  try {
+    o.start_method = "vfork";
+    FAIL() << "an unknown name must not convert";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("fork, spawn, forkserver"), std::string::npos);
+  }
+  EXPECT_EQ(o.start_method, StartMethod::kForkServer);  // unchanged by the failed conversion
+  // The default resolves to get_start_method(), never stays kDefault.
+  set_start_method(StartMethod::kFork, true);
+  EXPECT_EQ(get_start_method(), StartMethod::kFork);
+  EXPECT_EQ(get_context().start_method(), StartMethod::kFork);
+  Process p(ProcessOptions{"", false, {}}, &ExitWith, 0);
+  EXPECT_EQ(p.start_method(), StartMethod::kFork);
+  try {
+    set_start_method("", true);  // "" is the default, which is not a method to set
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+  }
+  EXPECT_EQ(get_start_method(), StartMethod::kFork);
+}
+
 TEST(ProcessErrorsTest, AnInheritedProcessRefusesToActInAForkedChild) {
   Process p(ProcessOptions{"", false, "fork"}, &SleepSeconds, 60);
   p.start();
