@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -422,6 +423,43 @@ TEST(ServerAuthTest, ShmManagerRefusesAClientWithoutItsSecret) {
   auto block = SharedArena::Get().Allocate(1024, SegmentKind::kNamed, false);
   EXPECT_GT(internal::ShmManagerPid(), 0);
   EXPECT_TRUE(FileExists("/dev/shm" + NameOf(block)));
+}
+
+// ---- (d) the sweep: a creator that exited, zombie or reaped, holds nothing ----
+
+// The shm manager's sweep takes a segment's creator for gone by the one liveness rule
+// (runtime/internal/process_liveness.h): a zombie has exited, maps nothing and holds nothing, so
+// its unreferenced segments are removed as a reaped creator's would be; a live creator's stay.
+TEST(ShmSweepTest, AZombieCreatorsUnreferencedSegmentIsSwept) {
+  const pid_t zombie = fork();
+  ASSERT_GE(zombie, 0);
+  if (zombie == 0) _exit(0);
+  siginfo_t si{};
+  ASSERT_EQ(waitid(P_PID, zombie, &si, WEXITED | WNOWAIT), 0);  // exited, not reaped: a zombie
+  auto make = [](pid_t creator) {
+    const std::string name =
+        "/forksafe_" + std::to_string(creator) + "_" + runtime::internal::RandomHex128();
+    const int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    EXPECT_GE(fd, 0) << name;
+    EXPECT_EQ(ftruncate(fd, 4096), 0);
+    internal::SegmentHeader h{};
+    h.magic = internal::kSegmentMagic;
+    h.size = 4096;
+    h.id = 1;
+    h.creator = creator;
+    h.pid_ns = internal::PidNamespaceId();  // live_refs 0: nothing references it
+    EXPECT_EQ(pwrite(fd, &h, sizeof(h), 0), static_cast<ssize_t>(sizeof(h)));
+    ::close(fd);
+    return name;
+  };
+  const std::string of_zombie = make(zombie);
+  const std::string of_live = make(getpid());
+  internal::SweepOrphanedSegments();
+  EXPECT_FALSE(FileExists("/dev/shm" + of_zombie)) << "a zombie creator was taken for alive";
+  EXPECT_TRUE(FileExists("/dev/shm" + of_live)) << "a live creator's segment was swept";
+  shm_unlink(of_zombie.c_str());
+  shm_unlink(of_live.c_str());
+  ASSERT_EQ(waitpid(zombie, nullptr, 0), zombie);
 }
 
 }  // namespace
