@@ -399,10 +399,10 @@ class PoolDispatcher;  // mp/internal/pool_dispatcher.h: the parent side of a Po
 /// A pool of worker processes. See the file comment.
 class Pool {
  public:
-  /// Starts the workers. Throws kInvalidArgument for processes < 0, maxtasksperchild < 0, an
-  /// unknown start method, or an initializer that cannot run under it; kNotFound for an
-  /// unregistered set_initializer() function under spawn/forkserver; kResourceExhausted when
-  /// processes cannot be started.
+  /// Starts the workers. Throws kInvalidArgument for processes < 0, maxtasksperchild < 0, or an
+  /// initializer that cannot run under the start method (an unknown start method name throws
+  /// where it becomes a StartMethod); kNotFound for an unregistered set_initializer() function
+  /// under spawn/forkserver; kResourceExhausted when processes cannot be started.
   explicit Pool(PoolOptions options = {});
   /// Shorthand for Pool(PoolOptions{processes}).
   explicit Pool(int processes);
