@@ -15,7 +15,7 @@ namespace internal {
 struct BackendInitLock {
   runtime::internal::Mutex mu;
   std::atomic<int> users{0};  // threads inside mu (so a forked child knows to rebuild it)
-  bool initializing ABSL_GUARDED_BY(mu) = false;
+  bool initializing FORKSAFE_GUARDED_BY(mu) = false;
 };
 }  // namespace internal
 
@@ -135,7 +135,7 @@ void Backend::OnForkParent() {}
 
 // Runs in a forked child, which has one thread: `initializing` is read without the lock, which
 // may be held by a thread that does not exist here (the lock is rebuilt instead).
-void Backend::OnForkChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+void Backend::OnForkChild() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   // Another thread may have been initializing at the instant of the fork: rebuild the mutex and
   // count a half-done initialization as done (its context is no more usable than a full one).
   // Nothing is written when no thread was near the mutex: every page written after a fork is a

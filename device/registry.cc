@@ -30,8 +30,8 @@ Device Decode(uint32_t v) { return Device(static_cast<DeviceType>(v >> 24), v & 
 // The factories of self-registered backends (FORKSAFE_REGISTER_BACKEND), by DeviceType. Constant-
 // initialized, so that registrations from static initializers may come in any order.
 runtime::internal::Mutex g_factories_mu;
-BackendFactory g_factories[kNumDeviceTypes] ABSL_GUARDED_BY(g_factories_mu) = {};
-bool g_registry_built ABSL_GUARDED_BY(g_factories_mu) = false;
+BackendFactory g_factories[kNumDeviceTypes] FORKSAFE_GUARDED_BY(g_factories_mu) = {};
+bool g_registry_built FORKSAFE_GUARDED_BY(g_factories_mu) = false;
 
 struct Registry {
   std::array<std::atomic<Backend*>, kNumDeviceTypes> backends{};

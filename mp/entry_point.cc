@@ -14,8 +14,8 @@ namespace {
 struct Registry {
   runtime::internal::Mutex mu;
   // Entries are only ever added: a reference to one stays valid without the lock.
-  std::map<std::string, EntryInvoker> by_name ABSL_GUARDED_BY(mu);
-  std::map<const void*, std::string> by_fn ABSL_GUARDED_BY(mu);
+  std::map<std::string, EntryInvoker> by_name FORKSAFE_GUARDED_BY(mu);
+  std::map<const void*, std::string> by_fn FORKSAFE_GUARDED_BY(mu);
 };
 
 Registry& Reg() {

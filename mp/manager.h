@@ -33,9 +33,9 @@
 //     Error(kFailedPrecondition). Timeouts follow mp/timeout.h (negative: kInvalidArgument).
 //   - Errors as in Python: a missing dict key or Namespace attribute -> kNotFound naming it; a
 //     list/Array index out of range -> kInvalidArgument with the index and the size (negative
-//     indices count from the end); Queue.get on an empty queue (timeout/no block) ->
-//     kUnavailable and Queue.put on a full one -> kResourceExhausted (the codes of mp::Empty and
-//     mp::Full); Barrier: the waiter whose timeout ran out gets kDeadlineExceeded and breaks the
+//     indices count from the end); Queue.get on an empty queue and Queue.put on a full one
+//     (timeout or no block) -> kDeadlineExceeded (the code of mp::Empty and mp::Full: the rule of
+//     runtime/error.h); Barrier: the waiter whose timeout ran out gets kDeadlineExceeded and breaks the
 //     barrier, the others get kFailedPrecondition until reset(). Negative Semaphore values,
 //     Barrier parties < 1, an unknown object id, or a proxy decoded as the wrong proxy type ->
 //     kInvalidArgument.

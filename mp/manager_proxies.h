@@ -489,14 +489,14 @@ template <class T>
 class QueueProxy : public internal::ProxyBase {
   FORKSAFE_MP_PROXY_COMMON(QueueProxy, kQueue)
   /// With block, waits up to `timeout` for room (bounded queues); throws
-  /// Error(kResourceExhausted) when there is none.
+  /// Error(kDeadlineExceeded) when there is none.
   void put(const T& value, bool block = true, Timeout timeout = std::nullopt) {
     Call(internal::ManagerOp::kQueuePut, "Queue.put", {},
          {internal::EncodeManaged(value, "Queue.put")},
          internal::WaitSeconds(block, timeout, "Queue.put"));
   }
   void put_nowait(const T& value) { put(value, false); }
-  /// The oldest item. With block, waits up to `timeout`; Error(kUnavailable) when empty.
+  /// The oldest item. With block, waits up to `timeout`; Error(kDeadlineExceeded) when empty.
   T get(bool block = true, Timeout timeout = std::nullopt) {
     auto r = Call(internal::ManagerOp::kQueueGet, "Queue.get", {}, {},
                   internal::WaitSeconds(block, timeout, "Queue.get"));

@@ -34,7 +34,7 @@ using runtime::ErrorCode;
 namespace {
 
 runtime::internal::Mutex g_method_mu;
-StartMethod g_method ABSL_GUARDED_BY(g_method_mu);  // kDefault = not set (default fork)
+StartMethod g_method FORKSAFE_GUARDED_BY(g_method_mu);  // kDefault = not set (default fork)
 std::atomic<int> g_process_counter{0};
 
 }  // namespace

@@ -43,9 +43,9 @@ struct SharingContext {
 // again (or comes back to its creator) becomes the same Storage.
 struct Identity {
   Mutex mu;
-  std::unordered_map<std::string, device::WeakStorage> by_key ABSL_GUARDED_BY(mu);
+  std::unordered_map<std::string, device::WeakStorage> by_key FORKSAFE_GUARDED_BY(mu);
   // Prune dead entries when the map grows past this (amortized O(1)).
-  size_t prune_at ABSL_GUARDED_BY(mu) = 4096;
+  size_t prune_at FORKSAFE_GUARDED_BY(mu) = 4096;
 };
 Identity& Ids() {
   static auto* ids = new Identity();
@@ -108,7 +108,7 @@ struct DeferredRelease {
 };
 struct Deferred {
   Mutex mu;
-  std::list<DeferredRelease> list ABSL_GUARDED_BY(mu);
+  std::list<DeferredRelease> list FORKSAFE_GUARDED_BY(mu);
 };
 Deferred& Defer() {
   static auto* d = new Deferred();
@@ -206,7 +206,7 @@ void ExportDeviceTensor(const device::Tensor& t, internal::TensorHandle& h) {
   }
   std::shared_ptr<SharingContext> ctx = DeviceSharing(s, ipc);
   if (ctx->legacy && ctx->imported) {
-    throw Error(ErrorCode::kUnavailable,
+    throw Error(ErrorCode::kFailedPrecondition,
                 absl::StrCat("sending a tensor: this ", t.device().ToString(),
                              " tensor arrived through a legacy IPC handle (memory its producer "
                              "allocated outside forksafe), which cannot be passed on; have the "

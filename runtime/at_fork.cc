@@ -314,13 +314,13 @@ void AtForkRegistry::ReportEvent(ForkEventKind kind, const std::string& subsyste
 
 // Not analysed: Prepare returns holding the registry lock, which Parent or Child (the next
 // pthread_atfork callback on this thread) releases; the analysis sees one function at a time.
-void AtForkRegistry::OnPrepare() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+void AtForkRegistry::OnPrepare() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   if (!g_bypass.load(std::memory_order_relaxed)) Get().Prepare();
 }
-void AtForkRegistry::OnParent() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+void AtForkRegistry::OnParent() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   if (!g_bypass.load(std::memory_order_relaxed)) Get().Parent();
 }
-void AtForkRegistry::OnChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+void AtForkRegistry::OnChild() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   if (!g_bypass.load(std::memory_order_relaxed)) Get().Child();
 }
 
@@ -683,7 +683,7 @@ bool LockForFork(std::mutex& mu, const PrepareAttempt& attempt) {
 // Takes the mutex underneath, which the analysis does not see: the annotation on the declaration
 // tells callers that true means held.
 bool LockForFork(internal::Mutex& mu, const PrepareAttempt& attempt)
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   return LockNativeForFork(mu.native(), attempt);
 }
 

@@ -290,19 +290,19 @@ class alignas(1024) AtForkRegistry {
   static void OnParent();
   static void OnChild();
   // Returns with mu_ held (for the whole fork); Parent() or Child() releases it.
-  void Prepare() ABSL_EXCLUSIVE_LOCK_FUNCTION(mu_);
+  void Prepare() FORKSAFE_EXCLUSIVE_LOCK_FUNCTION(mu_);
   bool PrepareRound(PrepareAttempt attempt, std::chrono::steady_clock::time_point cap,
                     std::chrono::steady_clock::time_point started)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RollBack(size_t from) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RollBack(size_t from) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TakeFrameworkLock(std::chrono::steady_clock::time_point until) noexcept
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FinishParent() noexcept ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Parent() ABSL_UNLOCK_FUNCTION(mu_);
-  void Child() noexcept ABSL_UNLOCK_FUNCTION(mu_);
+      FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishParent() noexcept FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Parent() FORKSAFE_UNLOCK_FUNCTION(mu_);
+  void Child() noexcept FORKSAFE_UNLOCK_FUNCTION(mu_);
   void CheckNotInHandler(const char* what) const;
-  void RetireInsideFork(const void* handle) noexcept ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void DropRetired() noexcept ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RetireInsideFork(const void* handle) noexcept FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropRetired() noexcept FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   friend class AtForkRegistration;
   friend struct NestedCopy;  // a copy nested in another's registry (internal/nested_copy.cc)
 
@@ -310,14 +310,14 @@ class alignas(1024) AtForkRegistry {
   // fork_done_ as std::condition_variable: the registry still fits its page.
   mutable internal::Mutex mu_;
   internal::CondVar fork_done_;  // a fork's parent phase ended (forking_ went false)
-  bool forking_ ABSL_GUARDED_BY(mu_) = false;  // a fork is between its prepare and parent phases
-  std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
-  AtForkOptions options_ ABSL_GUARDED_BY(mu_);
-  ForkReport current_ ABSL_GUARDED_BY(mu_);
-  ForkReport last_ ABSL_GUARDED_BY(mu_);
-  uint64_t fork_count_ ABSL_GUARDED_BY(mu_) = 0;
-  bool framework_lock_taken_ ABSL_GUARDED_BY(mu_) = false;
-  std::function<void(const ForkReport&)> listener_ ABSL_GUARDED_BY(mu_);
+  bool forking_ FORKSAFE_GUARDED_BY(mu_) = false;  // a fork is between its prepare and parent phases
+  std::vector<Entry> entries_ FORKSAFE_GUARDED_BY(mu_);
+  AtForkOptions options_ FORKSAFE_GUARDED_BY(mu_);
+  ForkReport current_ FORKSAFE_GUARDED_BY(mu_);
+  ForkReport last_ FORKSAFE_GUARDED_BY(mu_);
+  uint64_t fork_count_ FORKSAFE_GUARDED_BY(mu_) = 0;
+  bool framework_lock_taken_ FORKSAFE_GUARDED_BY(mu_) = false;
+  std::function<void(const ForkReport&)> listener_ FORKSAFE_GUARDED_BY(mu_);
   DefaultFrameworkLock default_framework_lock_;  // on the same page as mu_ (see above)
 
   friend DefaultFrameworkLock& internal_default_framework_lock();
@@ -364,7 +364,7 @@ void HoldAcrossFork(internal::Mutex* mu, std::string name,
 bool LockForFork(std::mutex& mu, const PrepareAttempt& attempt);
 /// The same for forksafe's annotated mutex: true means the caller holds `mu`.
 bool LockForFork(internal::Mutex& mu, const PrepareAttempt& attempt)
-    ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true, mu);
+    FORKSAFE_EXCLUSIVE_TRYLOCK_FUNCTION(true, mu);
 
 /// True on the thread that is running at-fork handlers, while it runs them.
 bool InForkHandler();

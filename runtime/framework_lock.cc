@@ -58,7 +58,7 @@ bool DefaultFrameworkLock::HeldByCurrentThread() const {
 
 // Not analysed: depth_ is written without mu_ on the forked child's only thread, where no other
 // thread can take it.
-void DefaultFrameworkLock::ResetInChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+void DefaultFrameworkLock::ResetInChild() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   // Another thread may have held mu_ at the instant of the fork and does not exist here: rebuild
   // the internals in place (the old ones are abandoned, never destroyed).
   mu_.ResetAfterFork();

@@ -76,7 +76,7 @@ class DefaultFrameworkLock final : public FrameworkLock {
   internal::Mutex mu_;
   internal::CondVar cv_;
   std::atomic<std::thread::id> owner_{};
-  int depth_ ABSL_GUARDED_BY(mu_) = 0;
+  int depth_ FORKSAFE_GUARDED_BY(mu_) = 0;
 };
 
 /// The lock the runtime holds across fork (the default one unless replaced).

@@ -24,7 +24,7 @@ struct TbbForkState {
   // it when the child is made.
   internal::Mutex mu;
   // A lifetime handle, held at all times except for a moment inside prepare (see HoldScheduler).
-  tbb::task_scheduler_handle handle ABSL_GUARDED_BY(mu);
+  tbb::task_scheduler_handle handle FORKSAFE_GUARDED_BY(mu);
   std::atomic<bool> usable{true};
   std::atomic<uint64_t> finalized{0};
   std::atomic<uint64_t> refused{0};
@@ -48,7 +48,7 @@ TbbForkState& StateRef() {
 // fork. Measured with bench/onetbb_worker_linger (docs/reliability.md): a oneTBB thread was still
 // running 200 us after finalize returned in 18 of 6,000 forks when the handle was attached only
 // in prepare, in 0 of 6,000 with the handle held. Never throws (at-fork handlers must not).
-void HoldScheduler(TbbForkState& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
+void HoldScheduler(TbbForkState& st) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
   if (st.handle) return;
   try {
     st.handle = tbb::task_scheduler_handle(tbb::attach{});
@@ -95,7 +95,7 @@ void LetDetachedWorkersFinish() {
 
 // With st.mu held: finalizes oneTBB (joining its workers) and holds the scheduler again; true
 // when the workers were joined.
-bool FinalizeScheduler(TbbForkState& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
+bool FinalizeScheduler(TbbForkState& st) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
   const bool was_held = static_cast<bool>(st.handle);
   HoldScheduler(st);
   const bool joined = tbb::finalize(st.handle, std::nothrow);  // releases the handle either way
@@ -112,7 +112,7 @@ bool FinalizeScheduler(TbbForkState& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
 
 // Not analysed: on true it returns holding st.mu, which the parent or child handler releases
 // (held across the fork, on this thread); the analysis sees one function at a time.
-bool Prepare(const PrepareAttempt& attempt) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+bool Prepare(const PrepareAttempt& attempt) FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   TbbForkState& st = StateRef();
   // A process whose oneTBB was left inconsistent by an earlier fork must not touch it again;
   // its children inherit the "unusable" flag.

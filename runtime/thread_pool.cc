@@ -33,21 +33,21 @@ struct PoolState {
   CondVar work_cv;   // workers wait for tasks
   CondVar drain_cv;  // prepare waits for workers to leave
   CondVar idle_cv;   // Wait() waits for an empty, idle pool
-  std::deque<std::function<void()>> queue ABSL_GUARDED_BY(mu);
-  std::list<Worker> workers ABSL_GUARDED_BY(mu);
-  int live ABSL_GUARDED_BY(mu) = 0;     // workers inside WorkerLoop
-  int running ABSL_GUARDED_BY(mu) = 0;  // tasks in flight (on workers and on threads that help)
+  std::deque<std::function<void()>> queue FORKSAFE_GUARDED_BY(mu);
+  std::list<Worker> workers FORKSAFE_GUARDED_BY(mu);
+  int live FORKSAFE_GUARDED_BY(mu) = 0;     // workers inside WorkerLoop
+  int running FORKSAFE_GUARDED_BY(mu) = 0;  // tasks in flight (on workers and on threads that help)
   // Workers inside fork(), waiting for another thread's fork.
-  int forking_workers ABSL_GUARDED_BY(mu) = 0;
+  int forking_workers FORKSAFE_GUARDED_BY(mu) = 0;
   // Workers that left their loop and that some thread took off `workers` to join, not yet
   // joined: their threads may still be running thread_local destructors. A drain is complete only
   // when this is 0 too (a Post on another thread may be joining a worker the drain let go).
-  int joining ABSL_GUARDED_BY(mu) = 0;
-  bool paused ABSL_GUARDED_BY(mu) = false;
-  bool stopping ABSL_GUARDED_BY(mu) = false;
+  int joining FORKSAFE_GUARDED_BY(mu) = 0;
+  bool paused FORKSAFE_GUARDED_BY(mu) = false;
+  bool stopping FORKSAFE_GUARDED_BY(mu) = false;
   const uint64_t generation = ForkGeneration();  // set once: read without mu
-  uint64_t tasks_completed ABSL_GUARDED_BY(mu) = 0;
-  uint64_t task_exceptions ABSL_GUARDED_BY(mu) = 0;
+  uint64_t tasks_completed FORKSAFE_GUARDED_BY(mu) = 0;
+  uint64_t task_exceptions FORKSAFE_GUARDED_BY(mu) = 0;
 };
 
 }  // namespace internal
@@ -104,7 +104,7 @@ void WorkerLoop(PoolState* s, PoolState::Worker* self) {
 }
 
 // Starts workers up to `target`. Keeps s->mu held (never unlocks).
-void EnsureWorkersLocked(PoolState* s, int target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+void EnsureWorkersLocked(PoolState* s, int target) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
   if (s->paused || s->stopping) return;
   while (s->live < target) {
     s->workers.emplace_back();
@@ -147,7 +147,7 @@ bool JoinIfEndedBy(std::thread& t, std::chrono::steady_clock::time_point until) 
 // Nothing throws while s->mu is released (`later` is reserved first), so the caller's guard
 // always finds the mutex held again.
 int ReapExitedLocked(PoolState* s, std::chrono::steady_clock::time_point until)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
   std::vector<std::thread> done;
   for (auto it = s->workers.begin(); it != s->workers.end();) {
     if (it->exited) {
@@ -179,7 +179,7 @@ int ReapExitedLocked(PoolState* s, std::chrono::steady_clock::time_point until)
 
 // Workers that left their loop and whose threads are not joined yet: listed, or being joined by
 // another thread.
-int LeftNotJoinedLocked(const PoolState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+int LeftNotJoinedLocked(const PoolState* s) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
   int n = s->joining;
   for (const PoolState::Worker& w : s->workers) n += w.exited ? 1 : 0;
   return n;
@@ -372,7 +372,7 @@ void ThreadPool::ParallelFor(int64_t begin, int64_t end, int64_t grain,
   struct Shared {
     std::atomic<uint64_t> next{0};
     internal::Mutex mu;
-    std::exception_ptr error ABSL_GUARDED_BY(mu);  // the first one
+    std::exception_ptr error FORKSAFE_GUARDED_BY(mu);  // the first one
   } shared;
   auto run_chunks = [&shared, &body, begin, end, span, step, chunks] {
     for (;;) {

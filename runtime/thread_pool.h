@@ -200,8 +200,8 @@ class TaskGroup {
   ThreadPool& pool_;
   internal::Mutex mu_;
   internal::CondVar cv_;
-  int pending_ ABSL_GUARDED_BY(mu_) = 0;
-  std::exception_ptr error_ ABSL_GUARDED_BY(mu_);
+  int pending_ FORKSAFE_GUARDED_BY(mu_) = 0;
+  std::exception_ptr error_ FORKSAFE_GUARDED_BY(mu_);
   uint64_t generation_;  // ForkGeneration() at construction: Wait in a forked child refuses
 };
 

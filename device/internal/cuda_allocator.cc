@@ -54,7 +54,7 @@ void InsertFree(DeviceState& st, Block* b) {
 namespace {
 
 // Returns the held blocks whose released() now says so to the free pools.
-void PollHeld(DeviceState& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
+void PollHeld(DeviceState& st) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
   std::vector<Block*> still;
   std::vector<Block*> done;
   for (Block* b : st.held) {
@@ -71,7 +71,7 @@ void PollHeld(DeviceState& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
 }
 
 void DestroySegment(const CudaDriver* d, DeviceState& st, Segment* seg)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
   auto& pool = PoolOf(st, seg);
   pool.erase(seg->first);
   const CUdeviceptr lo = seg->base, hi = seg->base + seg->size;
@@ -183,7 +183,7 @@ CUresult ReserveAndMap(const CudaDriver* d, const DeviceState& st, CUmemGenericA
 namespace {
 
 Segment* CreateSegment(const CudaDriver* d, DeviceState& st, size_t size, bool small,
-                       CUresult* failure) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
+                       CUresult* failure) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
   CUmemGenericAllocationHandle h = 0;
   CUresult r = d->cuMemCreate(&h, size, &st.prop, 0);
   if (r != CUDA_SUCCESS) {
@@ -213,7 +213,7 @@ Segment* CreateSegment(const CudaDriver* d, DeviceState& st, size_t size, bool s
   return seg;
 }
 
-Block* FindFree(DeviceState& st, bool small, size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
+Block* FindFree(DeviceState& st, bool small, size_t size) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
   auto& pool = small ? st.free_small : st.free_large;
   Block key;
   Segment fake;
@@ -227,7 +227,7 @@ Block* FindFree(DeviceState& st, bool small, size_t size) ABSL_EXCLUSIVE_LOCKS_R
 }
 
 // Cuts `b` (taken out of its pool) to `size`; the rest goes back to the pool.
-void Split(DeviceState& st, Block* b, size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
+void Split(DeviceState& st, Block* b, size_t size) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
   const size_t rest = b->size - size;
   const bool small = b->seg->small;
   if (rest < kRound || (!small && rest <= kSmallMax)) return;

@@ -60,7 +60,7 @@ int DupForExport(int fd, int index, const char* whose) {
 
 // Keeps `fd` as the segment's export descriptor; past kKeptExportFdsMax the least recently
 // exported segment gives its up.
-void KeepExportFd(DeviceState& st, Segment* seg, int fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
+void KeepExportFd(DeviceState& st, Segment* seg, int fd) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
   if (st.kept_export_fds >= internal::kKeptExportFdsMax) {
     Segment* oldest = nullptr;
     for (const auto& [base, other] : st.segments) {

@@ -14,8 +14,8 @@
 //     device/internal/cuda_ipc_events.cc interprocess events
 //
 // Guarantees
-//   - Everything of a DeviceState marked ABSL_GUARDED_BY(mu) is read and written only with its
-//     `mu` held; functions marked ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) expect the caller to hold
+//   - Everything of a DeviceState marked FORKSAFE_GUARDED_BY(mu) is read and written only with its
+//     `mu` held; functions marked FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu) expect the caller to hold
 //     it, and Dev/SyncStream must be called without it.
 //   - `index` is fixed at creation; `dev`, `ctx`, `granularity` and `prop` are written once, under
 //     `mu`, by EnsureDeviceLocked before `ready` becomes true, and only read afterwards (Dev takes
@@ -142,39 +142,39 @@ struct DeviceState {
   size_t granularity = 0;
   CUmemAllocationProp prop{};
 
-  CUstream stream ABSL_GUARDED_BY(mu) = nullptr;
-  std::map<CUdeviceptr, Segment*> segments ABSL_GUARDED_BY(mu);  // own, by base
-  std::unordered_map<uint64_t, Segment*> segments_by_id ABSL_GUARDED_BY(mu);
-  std::map<CUdeviceptr, Block*> allocated ABSL_GUARDED_BY(mu);  // by address
-  std::set<Block*, BySize> free_small ABSL_GUARDED_BY(mu), free_large ABSL_GUARDED_BY(mu);
-  std::vector<Block*> held ABSL_GUARDED_BY(mu);
+  CUstream stream FORKSAFE_GUARDED_BY(mu) = nullptr;
+  std::map<CUdeviceptr, Segment*> segments FORKSAFE_GUARDED_BY(mu);  // own, by base
+  std::unordered_map<uint64_t, Segment*> segments_by_id FORKSAFE_GUARDED_BY(mu);
+  std::map<CUdeviceptr, Block*> allocated FORKSAFE_GUARDED_BY(mu);  // by address
+  std::set<Block*, BySize> free_small FORKSAFE_GUARDED_BY(mu), free_large FORKSAFE_GUARDED_BY(mu);
+  std::vector<Block*> held FORKSAFE_GUARDED_BY(mu);
   // Recently freed block starts (HoldAfterFree).
-  std::unordered_map<CUdeviceptr, size_t> freed_sizes ABSL_GUARDED_BY(mu);
-  size_t allocated_bytes ABSL_GUARDED_BY(mu) = 0;
-  size_t reserved_bytes ABSL_GUARDED_BY(mu) = 0;
+  std::unordered_map<CUdeviceptr, size_t> freed_sizes FORKSAFE_GUARDED_BY(mu);
+  size_t allocated_bytes FORKSAFE_GUARDED_BY(mu) = 0;
+  size_t reserved_bytes FORKSAFE_GUARDED_BY(mu) = 0;
 
-  std::map<CUdeviceptr, Imported*> imports ABSL_GUARDED_BY(mu);  // by base
-  std::unordered_map<uint64_t, Imported*> imports_by_id ABSL_GUARDED_BY(mu);
-  std::vector<Imported*> idle_imports ABSL_GUARDED_BY(mu);  // refs == 0, still mapped; oldest first
-  size_t idle_import_bytes ABSL_GUARDED_BY(mu) = 0;
-  size_t kept_export_fds ABSL_GUARDED_BY(mu) = 0;  // own segments with export_fd >= 0
-  uint64_t export_clock ABSL_GUARDED_BY(mu) = 0;
-  std::map<CUdeviceptr, LegacyImport*> legacy ABSL_GUARDED_BY(mu);  // by base
-  std::map<std::string, LegacyImport*> legacy_by_key ABSL_GUARDED_BY(mu);
+  std::map<CUdeviceptr, Imported*> imports FORKSAFE_GUARDED_BY(mu);  // by base
+  std::unordered_map<uint64_t, Imported*> imports_by_id FORKSAFE_GUARDED_BY(mu);
+  std::vector<Imported*> idle_imports FORKSAFE_GUARDED_BY(mu);  // refs == 0, still mapped; oldest first
+  size_t idle_import_bytes FORKSAFE_GUARDED_BY(mu) = 0;
+  size_t kept_export_fds FORKSAFE_GUARDED_BY(mu) = 0;  // own segments with export_fd >= 0
+  uint64_t export_clock FORKSAFE_GUARDED_BY(mu) = 0;
+  std::map<CUdeviceptr, LegacyImport*> legacy FORKSAFE_GUARDED_BY(mu);  // by base
+  std::map<std::string, LegacyImport*> legacy_by_key FORKSAFE_GUARDED_BY(mu);
   // id -> range
-  std::unordered_map<uint64_t, std::pair<CUdeviceptr, size_t>> own_legacy ABSL_GUARDED_BY(mu);
+  std::unordered_map<uint64_t, std::pair<CUdeviceptr, size_t>> own_legacy FORKSAFE_GUARDED_BY(mu);
 
-  uint64_t pool_id ABSL_GUARDED_BY(mu) = 0;
-  std::vector<CUevent> pool ABSL_GUARDED_BY(mu);
-  std::vector<CUipcEventHandle> pool_handles ABSL_GUARDED_BY(mu);
-  uint64_t next_slot ABSL_GUARDED_BY(mu) = 0;
-  uint64_t sequence ABSL_GUARDED_BY(mu) = 0;
-  std::map<std::pair<pid_t, std::pair<uint64_t, uint32_t>>, OpenedEvent> opened ABSL_GUARDED_BY(mu);
+  uint64_t pool_id FORKSAFE_GUARDED_BY(mu) = 0;
+  std::vector<CUevent> pool FORKSAFE_GUARDED_BY(mu);
+  std::vector<CUipcEventHandle> pool_handles FORKSAFE_GUARDED_BY(mu);
+  uint64_t next_slot FORKSAFE_GUARDED_BY(mu) = 0;
+  uint64_t sequence FORKSAFE_GUARDED_BY(mu) = 0;
+  std::map<std::pair<pid_t, std::pair<uint64_t, uint32_t>>, OpenedEvent> opened FORKSAFE_GUARDED_BY(mu);
   // IPC waits queued since the last completed synchronize.
-  std::vector<PendingWait> waits ABSL_GUARDED_BY(mu);
-  uint64_t next_ticket ABSL_GUARDED_BY(mu) = 0;
+  std::vector<PendingWait> waits FORKSAFE_GUARDED_BY(mu);
+  uint64_t next_ticket FORKSAFE_GUARDED_BY(mu) = 0;
   // Set when an awaited exporter died before its event could be opened.
-  std::string failure ABSL_GUARDED_BY(mu);
+  std::string failure FORKSAFE_GUARDED_BY(mu);
 };
 
 struct CudaContext {
@@ -187,7 +187,7 @@ struct CudaContext {
   std::vector<std::unique_ptr<DeviceState>> devices;  // fixed once initialized
   runtime::internal::Mutex fds_mu;
   // Descriptors the driver opened during initialization.
-  std::set<int> driver_fds ABSL_GUARDED_BY(fds_mu);
+  std::set<int> driver_fds FORKSAFE_GUARDED_BY(fds_mu);
 };
 
 // ---- small helpers ------------------------------------------------------------------------------
@@ -225,54 +225,54 @@ T* RangeOf(std::map<CUdeviceptr, T*>& m, CUdeviceptr p, size_t n) {
   } while (0)
 
 /// Per-device setup on first use.
-void EnsureDeviceLocked(CudaContext& c, DeviceState& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+void EnsureDeviceLocked(CudaContext& c, DeviceState& st) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 /// The device's state, set up and its context current on this thread.
 DeviceState& Dev(CudaContext& c, int index);
 /// Waits for the device's stream. With IPC waits queued, polls, and fails (kProcessFailed) when
 /// an awaited event is still incomplete and its exporter has exited: that stream would wait
 /// forever, so the device gets a fresh one.
-void SyncStream(CudaContext& c, DeviceState& st, const char* what) ABSL_LOCKS_EXCLUDED(st.mu);
+void SyncStream(CudaContext& c, DeviceState& st, const char* what) FORKSAFE_LOCKS_EXCLUDED(st.mu);
 /// Work queued on memory about to be unmapped must finish first: synchronizes the stream before
 /// the caller destroys `victims` (of TakeIdleVictims); if that throws, they go back to idle.
 void SyncBeforeUnmap(CudaContext& c, DeviceState& st, const char* what,
-                     const std::vector<Imported*>& victims) ABSL_LOCKS_EXCLUDED(st.mu);
+                     const std::vector<Imported*>& victims) FORKSAFE_LOCKS_EXCLUDED(st.mu);
 /// Synchronizes every stream this process used, then marks the exit page (see CudaContext).
 void DrainAndMark(CudaContext* c);
 
 // ---- device/internal/cuda_allocator.cc ----------------------------------------------------------
 
 std::set<Block*, BySize>& PoolOf(DeviceState& st, const Segment* seg)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 /// Makes `b` free (not held) and merges it with free neighbours; inserts the result in its pool.
-void InsertFree(DeviceState& st, Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+void InsertFree(DeviceState& st, Block* b) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 /// Releases every fully free own segment that no import of this process uses. The caller has
 /// synchronized the stream (work queued on freed blocks has finished).
-void ReleaseFreeSegments(const CudaDriver* d, DeviceState& st) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+void ReleaseFreeSegments(const CudaDriver* d, DeviceState& st) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 /// Unmaps and releases an import (refs == 0, no longer idle). The caller has synchronized the
 /// stream (work queued on the memory has finished).
 void DestroyImport(const CudaDriver* d, DeviceState& st, Imported* imp)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 /// Takes `imp` off the idle list (it is used again, or about to be destroyed).
-void TakeOffIdle(DeviceState& st, Imported* imp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+void TakeOffIdle(DeviceState& st, Imported* imp) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 /// Idle imports over the bounds (all of them when `all`), oldest first, taken off the idle list
 /// and out of imports_by_id, so that no ImportMemory can use one again while the caller, having
 /// unlocked st.mu, synchronizes the stream before destroying them (a message naming the segment
 /// meanwhile maps it anew).
 std::vector<Imported*> TakeIdleVictims(DeviceState& st, bool all)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 /// Puts victims of TakeIdleVictims back (the synchronize before their destruction failed): idle
 /// again, usable again unless the segment was mapped anew meanwhile.
 void ReturnIdleVictims(DeviceState& st, const std::vector<Imported*>& victims)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 /// Reserves `size` bytes of address space, maps `h` there and gives this device read-write
 /// access; on failure undoes what it did (the caller releases `h`).
 CUresult ReserveAndMap(const CudaDriver* d, const DeviceState& st, CUmemGenericAllocationHandle h,
                        size_t size, CUdeviceptr* va);
 /// Allocates `bytes` from the device's cache, creating a segment when none fits.
 void* AllocateLocked(const CudaDriver* d, DeviceState& st, size_t bytes)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 /// The own segment containing [p, p + n), or null.
-Segment* OwnSegmentOf(DeviceState& st, CUdeviceptr p, size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+Segment* OwnSegmentOf(DeviceState& st, CUdeviceptr p, size_t n) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 
 #else  // !FORKSAFE_HAVE_CUDA_HEADERS: the backend has no devices and no state.
 

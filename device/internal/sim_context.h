@@ -9,7 +9,7 @@
 //
 // Guarantees
 //   - Memory state (devices, event_pools, peer_pages) is guarded by mem_mu, the stream's queue
-//     and counters by q_mu; functions marked ABSL_EXCLUSIVE_LOCKS_REQUIRED(mem_mu) expect the
+//     and counters by q_mu; functions marked FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu) expect the
 //     caller to hold it. Lock order: mem_mu before q_mu (RecordIpcEvent takes q_mu after
 //     releasing mem_mu; nothing takes mem_mu while holding q_mu).
 //   - num_devices and capacity are written once by SimBackend::DoInitialize before the context
@@ -133,29 +133,29 @@ struct SimContext {
   int num_devices = 0;  // fixed at initialization (see the banner)
   size_t capacity = 0;  // bytes per device, fixed at initialization
   mutable runtime::internal::Mutex mem_mu;
-  std::vector<SimDeviceMemory> devices ABSL_GUARDED_BY(mem_mu);
-  std::vector<SimEventPool> event_pools ABSL_GUARDED_BY(mem_mu);  // per device
-  std::map<uint64_t, std::shared_ptr<SimEventPage>> peer_pages ABSL_GUARDED_BY(mem_mu);  // by id
+  std::vector<SimDeviceMemory> devices FORKSAFE_GUARDED_BY(mem_mu);
+  std::vector<SimEventPool> event_pools FORKSAFE_GUARDED_BY(mem_mu);  // per device
+  std::map<uint64_t, std::shared_ptr<SimEventPage>> peer_pages FORKSAFE_GUARDED_BY(mem_mu);  // by id
 
   // The stream: one device thread running queued operations in order.
   runtime::internal::Mutex q_mu;
   runtime::internal::CondVar q_cv;
   runtime::internal::CondVar done_cv;
-  std::deque<std::function<void()>> queue ABSL_GUARDED_BY(q_mu);
-  uint64_t submitted ABSL_GUARDED_BY(q_mu) = 0;
-  uint64_t completed ABSL_GUARDED_BY(q_mu) = 0;
-  std::exception_ptr async_error ABSL_GUARDED_BY(q_mu);
+  std::deque<std::function<void()>> queue FORKSAFE_GUARDED_BY(q_mu);
+  uint64_t submitted FORKSAFE_GUARDED_BY(q_mu) = 0;
+  uint64_t completed FORKSAFE_GUARDED_BY(q_mu) = 0;
+  std::exception_ptr async_error FORKSAFE_GUARDED_BY(q_mu);
   std::thread device_thread;
 
   // ---- the stream (device/internal/sim_context.cc) ----
-  void Run() ABSL_LOCKS_EXCLUDED(q_mu);
-  uint64_t Enqueue(std::function<void()> op) ABSL_LOCKS_EXCLUDED(q_mu);
-  void WaitFor(uint64_t ticket) ABSL_LOCKS_EXCLUDED(q_mu);
-  void WaitAll() ABSL_LOCKS_EXCLUDED(q_mu);
-  void Drain() ABSL_LOCKS_EXCLUDED(q_mu);
+  void Run() FORKSAFE_LOCKS_EXCLUDED(q_mu);
+  uint64_t Enqueue(std::function<void()> op) FORKSAFE_LOCKS_EXCLUDED(q_mu);
+  void WaitFor(uint64_t ticket) FORKSAFE_LOCKS_EXCLUDED(q_mu);
+  void WaitAll() FORKSAFE_LOCKS_EXCLUDED(q_mu);
+  void Drain() FORKSAFE_LOCKS_EXCLUDED(q_mu);
   // Rethrows (once) an error of earlier stream work, like a sticky CUDA error at the next
   // synchronous call.
-  void RaiseAsyncError() ABSL_LOCKS_EXCLUDED(q_mu);
+  void RaiseAsyncError() FORKSAFE_LOCKS_EXCLUDED(q_mu);
 
   // ---- addresses ----
   static uint64_t Encode(int index, uint64_t va) {
@@ -169,30 +169,30 @@ struct SimContext {
 
   // ---- memory ----
   // The segment holding device offset `off`, or null.
-  SimSegment* SegmentAt(SimDeviceMemory& dev, uint64_t off) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
+  SimSegment* SegmentAt(SimDeviceMemory& dev, uint64_t off) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
   // Translates a tagged device pointer into a host view of `bytes` bytes, checking that the
   // range lies inside one live (or held) block, or inside an imported segment.
   char* Translate(int index, const void* dev_ptr, size_t bytes, const char* what)
-      ABSL_LOCKS_EXCLUDED(mem_mu);
+      FORKSAFE_LOCKS_EXCLUDED(mem_mu);
   // Maps `fd` (owned from now on) as a segment of `dev`.
   SimSegment* AddSegment(int index, SimDeviceMemory& dev, SimSegment::Kind kind, int fd,
-                         size_t size, uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
-  void DropSegment(SimDeviceMemory& dev, SimSegment* seg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
+                         size_t size, uint64_t id) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
+  void DropSegment(SimDeviceMemory& dev, SimSegment* seg) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
   // A new memfd of `size` bytes, reserved so that running out is an error here, not a SIGBUS.
   static int CreateMemfd(int index, const char* prefix, size_t size);
   // Returns held blocks whose holders all let go to their segments.
-  void ReclaimParked(SimDeviceMemory& dev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
+  void ReclaimParked(SimDeviceMemory& dev) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
   // Puts the kOwn block at `va` back on its segment's free list, coalescing.
-  void ReturnBlock(SimDeviceMemory& dev, uint64_t va) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
+  void ReturnBlock(SimDeviceMemory& dev, uint64_t va) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
   // Unmaps own segments with no live or held block.
-  void ReleaseFreeSegments(SimDeviceMemory& dev) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
+  void ReleaseFreeSegments(SimDeviceMemory& dev) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
   // First fit over the cached free blocks.
-  void* Carve(int index, SimDeviceMemory& dev, size_t need) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
+  void* Carve(int index, SimDeviceMemory& dev, size_t need) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
   // Makes room for `size` more reserved bytes, or throws.
   void Reserve(int index, SimDeviceMemory& dev, size_t size, size_t requested)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
+      FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
   // The event pool of device `index`, its page created on first use.
-  SimEventPool& EventPool(int index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
+  SimEventPool& EventPool(int index) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
 };
 
 }  // namespace forksafe::device::internal

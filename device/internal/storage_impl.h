@@ -38,16 +38,16 @@ struct StorageImpl {
   std::atomic<void*> data;
   const size_t nbytes;
   runtime::internal::Mutex mu;
-  std::function<void(void*)> deleter ABSL_GUARDED_BY(mu);  // empty: borrowed, or nothing to free
+  std::function<void(void*)> deleter FORKSAFE_GUARDED_BY(mu);  // empty: borrowed, or nothing to free
   std::atomic<bool> shared{false};
-  std::shared_ptr<void> sharing_context ABSL_GUARDED_BY(mu);
+  std::shared_ptr<void> sharing_context FORKSAFE_GUARDED_BY(mu);
   bool from_allocate = false;  // made by Storage::Allocate; set once, before any sharing
 
   StorageImpl(Device d, void* p, size_t n, std::function<void(void*)> del)
       : device(d), data(p), nbytes(n), deleter(std::move(del)) {}
 
   // No handle is left, so nothing else can touch the block: no lock needed.
-  ~StorageImpl() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  ~StorageImpl() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
     Release(device, nbytes, deleter, data.load(std::memory_order_acquire));
   }
 };

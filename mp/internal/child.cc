@@ -37,8 +37,8 @@ using runtime::ErrorCode;
 // ---- lifeline ----
 struct Lifeline {
   runtime::internal::Mutex mu;
-  int read_end ABSL_GUARDED_BY(mu) = -1;
-  int write_end ABSL_GUARDED_BY(mu) = -1;
+  int read_end FORKSAFE_GUARDED_BY(mu) = -1;
+  int write_end FORKSAFE_GUARDED_BY(mu) = -1;
 };
 
 Lifeline& TheLifeline() {
@@ -139,7 +139,7 @@ void WatchLifeline(FileDescriptor read_end) {
   struct Handshake {
     runtime::internal::Mutex mu;
     runtime::internal::CondVar cv;
-    int mode ABSL_GUARDED_BY(mu) = 0;  // 1: private descriptor table, 2: the process's table
+    int mode FORKSAFE_GUARDED_BY(mu) = 0;  // 1: private descriptor table, 2: the process's table
   };
   auto hs = std::make_shared<Handshake>();
   try {

@@ -224,8 +224,8 @@ Received ReceiveRequest(Connection& requests, Message* msg) {
 
 struct ForkServer {
   runtime::internal::Mutex mu;  // one request at a time: a request and its reply are a pair
-  pid_t pid ABSL_GUARDED_BY(mu) = 0;
-  Connection requests ABSL_GUARDED_BY(mu);
+  pid_t pid FORKSAFE_GUARDED_BY(mu) = 0;
+  Connection requests FORKSAFE_GUARDED_BY(mu);
 };
 
 ForkServer& TheServer() {
@@ -254,7 +254,7 @@ const bool g_server_handler = [] {
 
 // Forgets the server: closes its socket, kills it (a no-op when it is dead already) and reaps it.
 // It is our child and not reaped yet, so its pid cannot belong to another process. Holds s.mu.
-void ForgetServerLocked(ForkServer& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+void ForgetServerLocked(ForkServer& s) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   s.requests.close();
   s.requests = Connection();
   if (s.pid > 0) {
@@ -273,7 +273,7 @@ void ForgetServerLocked(ForkServer& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
 
 // Reaps and forgets the server if it has exited (killed by the OOM killer or by hand), so that the
 // next request starts a fresh one instead of failing on its closed socket. Holds s.mu.
-void ForgetServerIfDeadLocked(ForkServer& s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+void ForgetServerIfDeadLocked(ForkServer& s) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   if (s.pid == 0) return;
   pid_t r;
   do {
@@ -317,7 +317,7 @@ pid_t ForkServerRun(Message request) {
     if (e.code() != ErrorCode::kClosed) throw;
     // It died with the request: whether it forked the child is unknown, so do not retry.
     ForgetServerLocked(s);
-    throw Error(ErrorCode::kUnavailable,
+    throw Error(ErrorCode::kProcessFailed,
                 "the fork server died while it was starting the process (killed, or out of "
                 "memory); the process may not have started. Start it again: a new fork server "
                 "is started on the next request");

@@ -58,12 +58,12 @@ constexpr size_t kMaxIdlePerManager = 16;
 
 struct Pool {
   runtime::internal::Mutex mu;
-  pid_t pid ABSL_GUARDED_BY(mu) = 0;  // the process whose connections `idle` holds
+  pid_t pid FORKSAFE_GUARDED_BY(mu) = 0;  // the process whose connections `idle` holds
   // by socket name
-  std::map<std::string, std::vector<Connection>> idle ABSL_GUARDED_BY(mu);
-  std::set<std::string> shut_down ABSL_GUARDED_BY(mu);  // managers shut down by this process
+  std::map<std::string, std::vector<Connection>> idle FORKSAFE_GUARDED_BY(mu);
+  std::set<std::string> shut_down FORKSAFE_GUARDED_BY(mu);  // managers shut down by this process
 
-  void CloseAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  void CloseAllLocked() FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (auto& [name, conns] : idle) {
       for (Connection& c : conns) c.close();
     }

@@ -102,7 +102,7 @@ class Server {
  public:
   explicit Server(std::string name) : name_(std::move(name)) {}
 
-  void Handle(const ManagerRequest& req, ManagerReply& out, int fd) ABSL_LOCKS_EXCLUDED(mu_) {
+  void Handle(const ManagerRequest& req, ManagerReply& out, int fd) FORKSAFE_LOCKS_EXCLUDED(mu_) {
     runtime::internal::MutexLock lk(&mu_);
     Call c{req, fd, std::nullopt, &lk};
     if (req.timeout >= 0) {
@@ -140,7 +140,7 @@ class Server {
   }
 
  private:
-  uint64_t Create(const ManagerRequest& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  uint64_t Create(const ManagerRequest& req) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto o = std::make_unique<Object>();
     o->kind = req.kind;
     auto arg = [&](size_t i) -> int64_t {
@@ -223,7 +223,7 @@ class Server {
   // Waits (releasing mu_) until pred() holds or the call's deadline passes; returns pred().
   template <class Pred>
   bool WaitFor(runtime::internal::MutexLock& lk, const Call& c, Pred pred)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     while (!pred()) {
       const auto now = Clock::now();
       if (c.deadline && now >= *c.deadline) return pred();
@@ -254,7 +254,7 @@ class Server {
     }
   }
 
-  bool LockAcquire(Call& c, Object& l, const char* what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  bool LockAcquire(Call& c, Object& l, const char* what) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const bool recursive = l.kind == ManagedKind::kRLock;
     if (c.Owns(l)) {
       if (recursive) {
@@ -287,7 +287,7 @@ class Server {
     if (--l.depth == 0) l.owner_pid = 0, l.owner_tid = 0;
   }
 
-  void Dispatch(Call& c, Object& o, ManagerReply& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void Dispatch(Call& c, Object& o, ManagerReply& out) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const ManagerRequest& r = c.req;
     auto bad_op = [&] {
       Fail(ErrorCode::kInvalidArgument,
@@ -475,7 +475,7 @@ class Server {
         Need(r, 0, 1, "Queue.put");
         if (o.maxsize > 0 &&
             !WaitFor(*c.lk, c, [&] { return static_cast<int64_t>(o.queue.size()) < o.maxsize; })) {
-          Fail(ErrorCode::kResourceExhausted,
+          Fail(ErrorCode::kDeadlineExceeded,
                absl::StrCat("Queue.put: the queue is full (maxsize ", o.maxsize,
                             ") and stayed full for the timeout; get items, or wait longer"));
         }
@@ -484,7 +484,7 @@ class Server {
       case ManagerOp::kQueueGet:
         if (o.kind != ManagedKind::kQueue) bad_op();
         if (!WaitFor(*c.lk, c, [&] { return !o.queue.empty(); })) {
-          Fail(ErrorCode::kUnavailable,
+          Fail(ErrorCode::kDeadlineExceeded,
                "Queue.get: the queue is empty and stayed empty for the timeout");
         }
         out.blobs.push_back(std::move(o.queue.front()));
@@ -509,7 +509,7 @@ class Server {
     }
   }
 
-  void Sync(Call& c, Object& o, ManagerReply& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void Sync(Call& c, Object& o, ManagerReply& out) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const bool acquire = c.req.op == ManagerOp::kAcquire;
     switch (o.kind) {
       case ManagedKind::kLock:
@@ -552,7 +552,7 @@ class Server {
     }
   }
 
-  void Condition(Call& c, Object& o, ManagerReply& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void Condition(Call& c, Object& o, ManagerReply& out) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Object& l = *objects_.at(o.lock_id);
     if (!c.Owns(l)) {
       Fail(ErrorCode::kFailedPrecondition,
@@ -594,7 +594,7 @@ class Server {
     out.ints.push_back(notified ? 1 : 0);
   }
 
-  void Barrier(Call& c, Object& o, ManagerReply& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void Barrier(Call& c, Object& o, ManagerReply& out) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     switch (c.req.op) {
       case ManagerOp::kBarrierAbort:
         o.broken = true;
@@ -650,9 +650,9 @@ class Server {
   runtime::internal::Mutex mu_;
   const std::string name_;
   runtime::internal::CondVar cv_;  // any object changed: waiters re-check their condition
-  std::unordered_map<uint64_t, std::unique_ptr<Object>> objects_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;
+  std::unordered_map<uint64_t, std::unique_ptr<Object>> objects_ FORKSAFE_GUARDED_BY(mu_);
+  uint64_t next_id_ FORKSAFE_GUARDED_BY(mu_) = 0;
+  uint64_t next_ticket_ FORKSAFE_GUARDED_BY(mu_) = 0;
 };
 
 // Serves one client connection until it closes, sends garbage or fails the handshake.

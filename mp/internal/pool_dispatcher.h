@@ -43,7 +43,7 @@
 #include <thread>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
+#include "forksafe/runtime/internal/thread_annotations.h"
 #include "forksafe/mp/connection.h"
 #include "forksafe/mp/internal/pool_call.h"
 #include "forksafe/mp/internal/pool_job.h"
@@ -103,7 +103,7 @@ class PoolDispatcher {
   /// an iterator outliving its pool submits nothing more.
   struct Intake {
     runtime::internal::Mutex mu;
-    PoolDispatcher* impl ABSL_GUARDED_BY(mu) = nullptr;
+    PoolDispatcher* impl FORKSAFE_GUARDED_BY(mu) = nullptr;
   };
 
   PoolDispatcher() = default;
@@ -123,17 +123,17 @@ class PoolDispatcher {
 
   // ---- shared with the callers' threads, under mu ----
   mutable runtime::internal::Mutex mu;
-  Phase phase ABSL_GUARDED_BY(mu) = Phase::kRunning;
-  bool dispatcher_done ABSL_GUARDED_BY(mu) = false;
-  std::deque<PoolChunk> pending ABSL_GUARDED_BY(mu);
-  std::map<uint64_t, std::shared_ptr<const LocalRunner>> locals ABSL_GUARDED_BY(mu);
-  uint64_t next_local_id ABSL_GUARDED_BY(mu) = 0;
-  std::exception_ptr broken ABSL_GUARDED_BY(mu);  // set once: queued and later work fails
-  std::vector<pid_t> pid_snapshot ABSL_GUARDED_BY(mu);
+  Phase phase FORKSAFE_GUARDED_BY(mu) = Phase::kRunning;
+  bool dispatcher_done FORKSAFE_GUARDED_BY(mu) = false;
+  std::deque<PoolChunk> pending FORKSAFE_GUARDED_BY(mu);
+  std::map<uint64_t, std::shared_ptr<const LocalRunner>> locals FORKSAFE_GUARDED_BY(mu);
+  uint64_t next_local_id FORKSAFE_GUARDED_BY(mu) = 0;
+  std::exception_ptr broken FORKSAFE_GUARDED_BY(mu);  // set once: queued and later work fails
+  std::vector<pid_t> pid_snapshot FORKSAFE_GUARDED_BY(mu);
 
   /// Opens the wake-up descriptor, starts `nproc` workers (killing those started when one
   /// fails, then rethrowing) and the dispatcher thread.
-  void Start() ABSL_LOCKS_EXCLUDED(mu);
+  void Start() FORKSAFE_LOCKS_EXCLUDED(mu);
 
   // ---- usable from any thread of the owner ----
   /// Throws kFailedPrecondition in a process other than the owner, naming `call`.
@@ -141,52 +141,52 @@ class PoolDispatcher {
   /// Wakes the dispatcher (new work, a phase change).
   void Wake();
   /// Throws kFailedPrecondition when the pool takes no new work, naming `what`.
-  void CheckIntakeLocked(const char* what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void CheckIntakeLocked(const char* what) const FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu);
   /// What a job's chunks run; registers the job's local callable (fork).
-  PoolTaskSpec PrepareTaskLocked(FnSpec& fn, JobState& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  PoolTaskSpec PrepareTaskLocked(FnSpec& fn, JobState& job) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu);
   /// Remembers a job for StartWorker (fork: the descriptors its results hold).
-  void TrackJobLocked(const std::shared_ptr<JobState>& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void TrackJobLocked(const std::shared_ptr<JobState>& job) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu);
   /// A chunk's outcome was recorded; `last`: it was the job's last outstanding one. Forgets the
   /// job's local callable once it is finished and posts its callback.
-  void Finish(const std::shared_ptr<JobState>& job, bool last) ABSL_LOCKS_EXCLUDED(mu);
+  void Finish(const std::shared_ptr<JobState>& job, bool last) FORKSAFE_LOCKS_EXCLUDED(mu);
   /// Posts the job's callback if the job is finished (once).
-  void PostCallbackIfFinished(const std::shared_ptr<JobState>& job) ABSL_LOCKS_EXCLUDED(mu);
-  void FailChunk(PoolChunk& c, std::exception_ptr e) ABSL_LOCKS_EXCLUDED(mu);
-  void CompleteChunk(PoolChunk& c, Message m) ABSL_LOCKS_EXCLUDED(mu);
+  void PostCallbackIfFinished(const std::shared_ptr<JobState>& job) FORKSAFE_LOCKS_EXCLUDED(mu);
+  void FailChunk(PoolChunk& c, std::exception_ptr e) FORKSAFE_LOCKS_EXCLUDED(mu);
+  void CompleteChunk(PoolChunk& c, Message m) FORKSAFE_LOCKS_EXCLUDED(mu);
   /// Waits at most until `deadline` for the dispatcher thread to end, and joins it.
-  bool WaitDone(Deadline deadline) ABSL_LOCKS_EXCLUDED(mu);
+  bool WaitDone(Deadline deadline) FORKSAFE_LOCKS_EXCLUDED(mu);
 
  private:
-  void PruneJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void PruneJobsLocked() FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Marks the pool broken (first error wins) and fails everything queued.
-  void Break(std::exception_ptr e) ABSL_LOCKS_EXCLUDED(mu);
-  bool HasPending() ABSL_LOCKS_EXCLUDED(mu);
-  void UpdatePids() ABSL_LOCKS_EXCLUDED(mu);
+  void Break(std::exception_ptr e) FORKSAFE_LOCKS_EXCLUDED(mu);
+  bool HasPending() FORKSAFE_LOCKS_EXCLUDED(mu);
+  void UpdatePids() FORKSAFE_LOCKS_EXCLUDED(mu);
 
   // ---- the dispatcher thread ----
   void Loop();
-  void StartWorker() ABSL_LOCKS_EXCLUDED(mu);
+  void StartWorker() FORKSAFE_LOCKS_EXCLUDED(mu);
   static void KillAndReap(PoolWorker& w, std::chrono::duration<double> grace, int sig);
   void Drain(PoolWorker& w);
   void Handle(PoolWorker& w, Message& m);
   void Settle(PoolWorker& w);
   void CheckWorkers();
   void StartWorkers(Phase ph);
-  void AssignWork() ABSL_LOCKS_EXCLUDED(mu);
+  void AssignWork() FORKSAFE_LOCKS_EXCLUDED(mu);
   bool Drained();
   void Poll();
   void KillAll(const std::string& why);
   void StopAll();
-  void FailQueuedIfBroken() ABSL_LOCKS_EXCLUDED(mu);
+  void FailQueuedIfBroken() FORKSAFE_LOCKS_EXCLUDED(mu);
 
   runtime::internal::CondVar done_cv_;  // dispatcher_done became true
-  uint64_t next_task_id_ ABSL_GUARDED_BY(mu) = 0;
+  uint64_t next_task_id_ FORKSAFE_GUARDED_BY(mu) = 0;
   // Jobs whose results may hold descriptors a forked worker must not inherit (pruned as they go).
-  std::vector<std::weak_ptr<JobState>> live_jobs_ ABSL_GUARDED_BY(mu);  // "fork" only
-  size_t prune_jobs_at_ ABSL_GUARDED_BY(mu) = 64;
+  std::vector<std::weak_ptr<JobState>> live_jobs_ FORKSAFE_GUARDED_BY(mu);  // "fork" only
+  size_t prune_jobs_at_ FORKSAFE_GUARDED_BY(mu) = 64;
 
   runtime::internal::Mutex join_mu_;  // serializes joining the dispatcher thread
-  std::thread dispatcher_ ABSL_GUARDED_BY(join_mu_);
+  std::thread dispatcher_ FORKSAFE_GUARDED_BY(join_mu_);
   FileDescriptor wake_fd_;  // set by Start(), before any other thread sees it
 
   // The dispatcher's own (and Start()'s, before the dispatcher thread starts).

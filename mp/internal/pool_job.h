@@ -36,7 +36,7 @@
 #include <thread>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
+#include "forksafe/runtime/internal/thread_annotations.h"
 #include "forksafe/mp/codec.h"
 #include "forksafe/mp/timeout.h"
 #include "forksafe/runtime/internal/mutex.h"
@@ -124,12 +124,12 @@ class JobState {
     std::exception_ptr error;
   };
   void CheckOwner(const char* call) const;
-  bool FinishedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool ReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool FinishedLocked() const FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ReadyLocked() const FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // nullptr when the chunk was released or does not exist.
-  Record* Find(size_t chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  const Record* Find(size_t chunk) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool Settle(size_t chunk, Message* result, std::exception_ptr error) ABSL_LOCKS_EXCLUDED(mu_);
+  Record* Find(size_t chunk) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const Record* Find(size_t chunk) const FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Settle(size_t chunk, Message* result, std::exception_ptr error) FORKSAFE_LOCKS_EXCLUDED(mu_);
 
   const std::string what_;
   const bool fail_fast_;
@@ -137,19 +137,19 @@ class JobState {
   mutable runtime::internal::Mutex mu_;
   mutable runtime::internal::CondVar cv_;
   // by chunk index; released ones are erased
-  std::map<size_t, Record> records_ ABSL_GUARDED_BY(mu_);
-  size_t next_chunk_ ABSL_GUARDED_BY(mu_) = 0;  // chunks added so far
-  size_t next_start_ ABSL_GUARDED_BY(mu_) = 0;
-  bool open_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<size_t, Record> records_ FORKSAFE_GUARDED_BY(mu_);
+  size_t next_chunk_ FORKSAFE_GUARDED_BY(mu_) = 0;  // chunks added so far
+  size_t next_start_ FORKSAFE_GUARDED_BY(mu_) = 0;
+  bool open_ FORKSAFE_GUARDED_BY(mu_) = false;
   // entry completion_base_ + i
-  mutable std::deque<size_t> completion_order_ ABSL_GUARDED_BY(mu_);
-  mutable size_t completion_base_ ABSL_GUARDED_BY(mu_) = 0;
-  std::exception_ptr first_error_ ABSL_GUARDED_BY(mu_);
-  size_t outstanding_ ABSL_GUARDED_BY(mu_) = 0;
-  bool finished_event_taken_ ABSL_GUARDED_BY(mu_) = false;
-  std::function<void()> callback_ ABSL_GUARDED_BY(mu_);
-  bool has_callback_ ABSL_GUARDED_BY(mu_) = false;
-  bool callback_done_ ABSL_GUARDED_BY(mu_) = false;
+  mutable std::deque<size_t> completion_order_ FORKSAFE_GUARDED_BY(mu_);
+  mutable size_t completion_base_ FORKSAFE_GUARDED_BY(mu_) = 0;
+  std::exception_ptr first_error_ FORKSAFE_GUARDED_BY(mu_);
+  size_t outstanding_ FORKSAFE_GUARDED_BY(mu_) = 0;
+  bool finished_event_taken_ FORKSAFE_GUARDED_BY(mu_) = false;
+  std::function<void()> callback_ FORKSAFE_GUARDED_BY(mu_);
+  bool has_callback_ FORKSAFE_GUARDED_BY(mu_) = false;
+  bool callback_done_ FORKSAFE_GUARDED_BY(mu_) = false;
 };
 
 /// Runs jobs' callbacks, in the order they finished, on one thread of the pool's, started on
@@ -169,17 +169,17 @@ class CallbackRunner : public std::enable_shared_from_this<CallbackRunner> {
   uint64_t failures() const;
 
  private:
-  void Loop() ABSL_LOCKS_EXCLUDED(mu_);
-  void Run(JobState& job) ABSL_LOCKS_EXCLUDED(mu_);
+  void Loop() FORKSAFE_LOCKS_EXCLUDED(mu_);
+  void Run(JobState& job) FORKSAFE_LOCKS_EXCLUDED(mu_);
 
   const std::string pool_name_;
   mutable runtime::internal::Mutex mu_;
   runtime::internal::CondVar cv_;
-  std::deque<std::shared_ptr<JobState>> queue_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool running_ ABSL_GUARDED_BY(mu_) = false;  // a Loop is running (or about to)
-  uint64_t failures_ ABSL_GUARDED_BY(mu_) = 0;
-  std::thread thread_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<JobState>> queue_ FORKSAFE_GUARDED_BY(mu_);
+  bool stopping_ FORKSAFE_GUARDED_BY(mu_) = false;
+  bool running_ FORKSAFE_GUARDED_BY(mu_) = false;  // a Loop is running (or about to)
+  uint64_t failures_ FORKSAFE_GUARDED_BY(mu_) = 0;
+  std::thread thread_ FORKSAFE_GUARDED_BY(mu_);
 };
 
 }  // namespace forksafe::mp::internal

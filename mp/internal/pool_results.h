@@ -31,7 +31,7 @@
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
+#include "forksafe/runtime/internal/thread_annotations.h"
 #include "forksafe/mp/codec.h"
 #include "forksafe/mp/internal/pool_call.h"
 #include "forksafe/mp/internal/pool_job.h"
@@ -77,11 +77,11 @@ struct AsyncResultState {
   std::shared_ptr<JobState> job;  // set before the result is handed out
   std::function<R(JobState&)> assemble;
   runtime::internal::Mutex mu;
-  std::optional<R> value ABSL_GUARDED_BY(mu);
-  std::exception_ptr assemble_error ABSL_GUARDED_BY(mu);
+  std::optional<R> value FORKSAFE_GUARDED_BY(mu);
+  std::exception_ptr assemble_error FORKSAFE_GUARDED_BY(mu);
 
   /// The decoded result, assembled once; throws what assembling threw.
-  R& ValueLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  R& ValueLocked() FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (value) return *value;
     if (assemble_error) std::rethrow_exception(assemble_error);
     try {
@@ -95,7 +95,7 @@ struct AsyncResultState {
 
   /// The result for AsyncResult::get(): a copy, or the value itself for a move-only R (which
   /// can then be taken once).
-  R Get() ABSL_LOCKS_EXCLUDED(mu) {
+  R Get() FORKSAFE_LOCKS_EXCLUDED(mu) {
     runtime::internal::MutexLock lk(&mu);
     R& v = ValueLocked();
     if constexpr (std::is_copy_constructible_v<R>) {

@@ -5,7 +5,7 @@
 #include <map>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
+#include "forksafe/runtime/internal/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "forksafe/mp/entry_point.h"
 #include "forksafe/mp/internal/child.h"
@@ -22,7 +22,7 @@ namespace {
 
 struct RunnerRegistry {
   runtime::internal::Mutex mu;
-  std::map<std::string, RawRunner> by_key ABSL_GUARDED_BY(mu);
+  std::map<std::string, RawRunner> by_key FORKSAFE_GUARDED_BY(mu);
 };
 
 RunnerRegistry& Runners() {

@@ -59,9 +59,9 @@ struct Handoffs {
   runtime::internal::Mutex mu;
   // The files of the live handoff (the pipe, and what Guard() added), so that copies made by
   // dup are found too.
-  int open ABSL_GUARDED_BY(mu) = 0;
-  dev_t dev[2] ABSL_GUARDED_BY(mu) = {0, 0};
-  ino_t ino[2] ABSL_GUARDED_BY(mu) = {0, 0};
+  int open FORKSAFE_GUARDED_BY(mu) = 0;
+  dev_t dev[2] FORKSAFE_GUARDED_BY(mu) = {0, 0};
+  ino_t ino[2] FORKSAFE_GUARDED_BY(mu) = {0, 0};
 };
 
 Handoffs& TheHandoffs() {

@@ -120,25 +120,25 @@ class Segment {
 // lingering, is changed under the arena's mu too; it is not annotated, being another object's.)
 struct SharedArena::Impl {
   runtime::internal::Mutex mu;
-  std::vector<std::shared_ptr<Segment>> owned ABSL_GUARDED_BY(mu);  // this process's segments
+  std::vector<std::shared_ptr<Segment>> owned FORKSAFE_GUARDED_BY(mu);  // this process's segments
   // Dedicated named segments of this process whose last block here was dropped while references
   // remained elsewhere (in flight, or in other processes): kept until those go (the process that
   // drops the count to zero unlinks the name) or are found dead (EmptyCache), so that such a
   // segment is never left in /dev/shm for the creator's lifetime.
-  std::vector<std::shared_ptr<Segment>> lingering ABSL_GUARDED_BY(mu);
+  std::vector<std::shared_ptr<Segment>> lingering FORKSAFE_GUARDED_BY(mu);
   std::map<size_t, std::vector<std::pair<std::weak_ptr<Segment>, uint64_t>>> free_bins
-      ABSL_GUARDED_BY(mu);
+      FORKSAFE_GUARDED_BY(mu);
   // freed here, held elsewhere
-  std::deque<std::pair<std::weak_ptr<Segment>, uint64_t>> pending ABSL_GUARDED_BY(mu);
-  std::set<std::pair<const Segment*, uint64_t>> pending_set ABSL_GUARDED_BY(mu);  // `pending`'s
+  std::deque<std::pair<std::weak_ptr<Segment>, uint64_t>> pending FORKSAFE_GUARDED_BY(mu);
+  std::set<std::pair<const Segment*, uint64_t>> pending_set FORKSAFE_GUARDED_BY(mu);  // `pending`'s
   // every segment mapped here, by key
-  std::map<std::string, std::weak_ptr<Segment>> imported ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::weak_ptr<Segment>> imported FORKSAFE_GUARDED_BY(mu);
   // The segments imported most recently, kept mapped even when no block of theirs is alive, so
   // that a consumer receiving tensor after tensor from one segment does not map and unmap it
   // each time.
-  std::deque<std::shared_ptr<Segment>> recent ABSL_GUARDED_BY(mu);
-  size_t next_segment ABSL_GUARDED_BY(mu) = kMinSegment;
-  ArenaStats stats ABSL_GUARDED_BY(mu);
+  std::deque<std::shared_ptr<Segment>> recent FORKSAFE_GUARDED_BY(mu);
+  size_t next_segment FORKSAFE_GUARDED_BY(mu) = kMinSegment;
+  ArenaStats stats FORKSAFE_GUARDED_BY(mu);
 };
 
 namespace {
@@ -283,7 +283,7 @@ namespace {
 // for being held only by dead queues.
 using Candidates = std::vector<std::pair<std::shared_ptr<Segment>, RefSnapshot>>;
 
-Candidates NeedingScan(SharedArena::Impl& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
+Candidates NeedingScan(SharedArena::Impl& a) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
   Candidates out;
   for (auto* list : {&a.owned, &a.lingering}) {
     for (auto& seg : *list) {
@@ -303,7 +303,7 @@ Candidates NeedingScan(SharedArena::Impl& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(a.mu)
 std::vector<std::shared_ptr<Segment>> TakeUnusedSegments(SharedArena::Impl& a,
                                                          const Candidates& candidates,
                                                          const ProcScan* scan)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
   std::vector<std::shared_ptr<Segment>> out;
   for (auto* list : {&a.owned, &a.lingering}) {
     for (auto it = list->begin(); it != list->end();) {
@@ -335,7 +335,7 @@ std::vector<std::shared_ptr<Segment>> TakeUnusedSegments(SharedArena::Impl& a,
 // Drops the dedicated segments of `a.lingering` whose count reached zero (their names went with
 // the last reference): moved to `out`, for the caller to unmap outside the lock. No scan.
 void TakeFinishedLingering(SharedArena::Impl& a, std::vector<std::shared_ptr<Segment>>& out)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
   for (auto it = a.lingering.begin(); it != a.lingering.end();) {
     if ((*it)->header()->live_refs.load() == 0) {
       out.push_back(std::move(*it));
@@ -354,7 +354,7 @@ void TakeFinishedLingering(SharedArena::Impl& a, std::vector<std::shared_ptr<Seg
 // which it releases around the scan and takes again before it returns or throws.
 std::shared_ptr<Segment> CreateWithRecovery(SharedArena::Impl& a, size_t& size, size_t least,
                                             SegmentKind kind, uint32_t flags)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
   try {
     return CreateSegment(size, kind, flags);
   } catch (const Error& e) {

@@ -32,8 +32,8 @@ namespace {
 
 struct Client {
   runtime::internal::Mutex mu;
-  pid_t pid ABSL_GUARDED_BY(mu) = 0;  // the shm manager's (0: none started)
-  Connection conn ABSL_GUARDED_BY(mu);
+  pid_t pid FORKSAFE_GUARDED_BY(mu) = 0;  // the shm manager's (0: none started)
+  Connection conn FORKSAFE_GUARDED_BY(mu);
 };
 
 Client& TheClient() {

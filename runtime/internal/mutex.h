@@ -3,8 +3,8 @@
 //
 // What it offers
 //   - Mutex: a std::mutex that Clang's -Wthread-safety understands (a "capability"). Members it
-//     protects are declared `T x ABSL_GUARDED_BY(mu_);`, functions that expect it held
-//     `ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_)`, so that an access without the lock fails the
+//     protects are declared `T x FORKSAFE_GUARDED_BY(mu_);`, functions that expect it held
+//     `FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_)`, so that an access without the lock fails the
 //     thread-safety build (tools/thread_safety.sh, run by CI).
 //   - MutexLock: the scoped guard (std::unique_lock underneath): locks in its constructor,
 //     unlocks in its destructor, may Unlock()/Lock() in between.
@@ -23,7 +23,7 @@
 //   - ResetAfterFork() and CondVar::ResetAfterFork() are for a forked child's handlers only: on a
 //     mutex with waiters or an owner in this process they corrupt it.
 //   - The analysis is static and local: it does not follow a lock taken through a pointer it cannot
-//     name, and `ABSL_NO_THREAD_SAFETY_ANALYSIS` turns it off for a function. Use the latter only
+//     name, and `FORKSAFE_NO_THREAD_SAFETY_ANALYSIS` turns it off for a function. Use the latter only
 //     where a comment says why the access is safe (a forked child with one thread, a constructor).
 #ifndef FORKSAFE_RUNTIME_INTERNAL_MUTEX_H_
 #define FORKSAFE_RUNTIME_INTERNAL_MUTEX_H_
@@ -33,28 +33,28 @@
 #include <mutex>
 #include <new>
 
-#include "absl/base/thread_annotations.h"
+#include "forksafe/runtime/internal/thread_annotations.h"
 
 namespace forksafe::runtime::internal {
 
 /// A std::mutex that Clang's thread-safety analysis can check (see the banner).
-class ABSL_LOCKABLE Mutex {
+class FORKSAFE_LOCKABLE Mutex {
  public:
   Mutex() = default;
   Mutex(const Mutex&) = delete;
   Mutex& operator=(const Mutex&) = delete;
 
   /// Blocks until this thread holds the mutex.
-  void Lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() { mu_.lock(); }
+  void Lock() FORKSAFE_EXCLUSIVE_LOCK_FUNCTION() { mu_.lock(); }
   /// Releases the mutex, which this thread holds.
-  void Unlock() ABSL_UNLOCK_FUNCTION() { mu_.unlock(); }
+  void Unlock() FORKSAFE_UNLOCK_FUNCTION() { mu_.unlock(); }
   /// Takes the mutex if it is free and returns true; returns false at once otherwise.
-  bool TryLock() ABSL_EXCLUSIVE_TRYLOCK_FUNCTION(true) { return mu_.try_lock(); }
+  bool TryLock() FORKSAFE_EXCLUSIVE_TRYLOCK_FUNCTION(true) { return mu_.try_lock(); }
   /// Tells the analysis that the caller holds the mutex (no run-time check).
-  void AssertHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK() {}
+  void AssertHeld() const FORKSAFE_ASSERT_EXCLUSIVE_LOCK() {}
 
   /// Re-creates the mutex, unlocked, in a forked child (see Hazards).
-  void ResetAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS { new (&mu_) std::mutex(); }
+  void ResetAfterFork() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS { new (&mu_) std::mutex(); }
 
   /// The std::mutex underneath, for code that must hand it to the standard library.
   std::mutex& native() { return mu_; }
@@ -64,19 +64,19 @@ class ABSL_LOCKABLE Mutex {
 };
 
 /// Holds a Mutex for its scope; Unlock() and Lock() release and take it again in between.
-class ABSL_SCOPED_LOCKABLE MutexLock {
+class FORKSAFE_SCOPED_LOCKABLE MutexLock {
  public:
   /// Locks `*mu` (blocking).
-  explicit MutexLock(Mutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : lock_(mu->native()) {}
+  explicit MutexLock(Mutex* mu) FORKSAFE_EXCLUSIVE_LOCK_FUNCTION(mu) : lock_(mu->native()) {}
   /// Unlocks the mutex if this guard still holds it.
-  ~MutexLock() ABSL_UNLOCK_FUNCTION() {}
+  ~MutexLock() FORKSAFE_UNLOCK_FUNCTION() {}
   MutexLock(const MutexLock&) = delete;
   MutexLock& operator=(const MutexLock&) = delete;
 
   /// Releases the mutex before the end of the scope.
-  void Unlock() ABSL_UNLOCK_FUNCTION() { lock_.unlock(); }
+  void Unlock() FORKSAFE_UNLOCK_FUNCTION() { lock_.unlock(); }
   /// Takes the mutex again after Unlock().
-  void Lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() { lock_.lock(); }
+  void Lock() FORKSAFE_EXCLUSIVE_LOCK_FUNCTION() { lock_.lock(); }
 
   /// The std::unique_lock underneath (for CondVar and the standard library).
   std::unique_lock<std::mutex>& native() { return lock_; }

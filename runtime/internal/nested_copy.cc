@@ -70,7 +70,7 @@ struct __attribute__((visibility("hidden"))) NestedCopy {
   // InForkHandler() true) until RollBack, Parent or Child; on "not yet" or an exception nothing
   // is held. Not analysed for that reason: it returns holding r.mu_, which a later entry point
   // releases on this thread (t_held says so); the round itself is (PrepareRoundHeld).
-  static int Prepare(const forksafe_attempt_v1* c) noexcept ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  static int Prepare(const forksafe_attempt_v1* c) noexcept FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
     if (c == nullptr || c->struct_size < sizeof(forksafe_attempt_v1)) return 0;
     AtForkRegistry& r = internal::ThisRegistry();
     const auto deadline = internal::FromNs(c->deadline_ns);
@@ -99,7 +99,7 @@ struct __attribute__((visibility("hidden"))) NestedCopy {
   // Prepare's round, with r.mu_ held; false (everything rolled back) on "not yet" or a throw.
   static bool PrepareRoundHeld(AtForkRegistry& r, const forksafe_attempt_v1* c,
                                const PrepareAttempt& a) noexcept
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(r.mu_) {
+      FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(r.mu_) {
     try {
       if (!t_report_fresh) {
         r.current_ = ForkReport{};

@@ -538,7 +538,7 @@ TEST(SimIpc, ALegacyTensorCannotBePassedOn) {
   Process fwd(ProcessOptions{"", false, "spawn"}, &Echo, in, out, 1);
   fwd.start();
   in.put(t);
-  // The echo child cannot pass it on: its put throws kUnavailable, and the child fails.
+  // The echo child cannot pass it on: its put throws kFailedPrecondition, and the child fails.
   ASSERT_TRUE(fwd.join(30s));
   EXPECT_EQ(fwd.exitcode(), 1) << "the child's put refused to pass the legacy tensor on";
 }

@@ -432,10 +432,10 @@ TEST(ManagerTest, LocksSemaphoresConditionEventBarrierQueueInThreads) {
   auto q = manager.Queue<std::string>(1);
   q.put("a");
   EXPECT_TRUE(q.full());
-  EXPECT_EQ(ErrorOf([&] { q.put_nowait("b"); }).code(), ErrorCode::kResourceExhausted);
+  EXPECT_EQ(ErrorOf([&] { q.put_nowait("b"); }).code(), ErrorCode::kDeadlineExceeded);
   EXPECT_EQ(q.qsize(), 1);
   EXPECT_EQ(q.get_nowait(), "a");
-  EXPECT_EQ(ErrorOf([&] { q.get(true, 0.05); }).code(), ErrorCode::kUnavailable);
+  EXPECT_EQ(ErrorOf([&] { q.get(true, 0.05); }).code(), ErrorCode::kDeadlineExceeded);
 }
 
 TEST(ManagerTest, ABlockedCallDoesNotBlockOtherThreads) {
