@@ -128,10 +128,12 @@ void BM_DriverExportToShareableHandle(benchmark::State& state) {
   using Export = int (*)(void*, unsigned long long, int, unsigned long long);
   using Release = int (*)(unsigned long long);
   auto retain = lib ? reinterpret_cast<Retain>(dlsym(lib, "cuMemRetainAllocationHandle")) : nullptr;
-  auto export_fd = lib ? reinterpret_cast<Export>(dlsym(lib, "cuMemExportToShareableHandle")) : nullptr;
+  auto export_fd =
+      lib ? reinterpret_cast<Export>(dlsym(lib, "cuMemExportToShareableHandle")) : nullptr;
   auto release = lib ? reinterpret_cast<Release>(dlsym(lib, "cuMemRelease")) : nullptr;
   if (!retain || !export_fd || !release) {
-    state.SkipWithError("libcuda.so.1 lacks cuMemRetainAllocationHandle/cuMemExportToShareableHandle");
+    state.SkipWithError(
+        "libcuda.so.1 lacks cuMemRetainAllocationHandle/cuMemExportToShareableHandle");
     b.Free(0, p);
     return;
   }
@@ -214,7 +216,7 @@ int main(int argc, char** argv) {
     }
   }
   for (auto& h : g_exported.segments) close(h.fd);
-  close(sv[0]);  // the exporter exits on EOF
+  close(sv[0]);                    // the exporter exits on EOF
   for (int i = 0; i < 300; ++i) {  // bounded wait: 30 s
     int status = 0;
     const pid_t r = waitpid(pid, &status, WNOHANG);

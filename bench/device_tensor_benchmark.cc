@@ -60,11 +60,11 @@ void RoundTrips(benchmark::State& state, const std::string& device, bool ack) {
   }
   const int64_t n = state.range(0) / 4;
   Queue to, from;
-  Process child(ProcessOptions{"", false, "spawn"}, ack ? &DeviceTensorAck : &DeviceTensorEcho,
-                to, from);
+  Process child(ProcessOptions{"", false, "spawn"}, ack ? &DeviceTensorAck : &DeviceTensorEcho, to,
+                from);
   child.start();
-  Tensor t = dev.is_cpu() ? forksafe::mp::SharedEmpty({n})
-                          : Tensor::Zeros({n}, DType::kFloat32, dev);
+  Tensor t =
+      dev.is_cpu() ? forksafe::mp::SharedEmpty({n}) : Tensor::Zeros({n}, DType::kFloat32, dev);
   auto back = [&] {
     if (ack) {
       benchmark::DoNotOptimize(from.get<int64_t>(true, kGetSeconds));
@@ -97,13 +97,33 @@ void BM_CudaTensorRoundTrip(benchmark::State& state) { RoundTrips(state, "cuda:0
 void BM_CudaTensorSendAck(benchmark::State& state) { RoundTrips(state, "cuda:0", true); }
 
 BENCHMARK(BM_CpuSharedTensorRoundTrip)
-    ->Arg(4 << 10)->Arg(1 << 20)->Arg(16 << 20)->UseRealTime()->MinTime(0.5)->Repetitions(3);
+    ->Arg(4 << 10)
+    ->Arg(1 << 20)
+    ->Arg(16 << 20)
+    ->UseRealTime()
+    ->MinTime(0.5)
+    ->Repetitions(3);
 BENCHMARK(BM_SimTensorRoundTrip)
-    ->Arg(4 << 10)->Arg(1 << 20)->Arg(16 << 20)->UseRealTime()->MinTime(0.5)->Repetitions(3);
+    ->Arg(4 << 10)
+    ->Arg(1 << 20)
+    ->Arg(16 << 20)
+    ->UseRealTime()
+    ->MinTime(0.5)
+    ->Repetitions(3);
 BENCHMARK(BM_CudaTensorRoundTrip)
-    ->Arg(4 << 10)->Arg(1 << 20)->Arg(16 << 20)->UseRealTime()->MinTime(0.5)->Repetitions(3);
+    ->Arg(4 << 10)
+    ->Arg(1 << 20)
+    ->Arg(16 << 20)
+    ->UseRealTime()
+    ->MinTime(0.5)
+    ->Repetitions(3);
 BENCHMARK(BM_CudaTensorSendAck)
-    ->Arg(4 << 10)->Arg(1 << 20)->Arg(16 << 20)->UseRealTime()->MinTime(0.5)->Repetitions(3);
+    ->Arg(4 << 10)
+    ->Arg(1 << 20)
+    ->Arg(16 << 20)
+    ->UseRealTime()
+    ->MinTime(0.5)
+    ->Repetitions(3);
 
 }  // namespace
 

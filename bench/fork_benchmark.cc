@@ -5,10 +5,10 @@
 //
 // "bare" is glibc's fork() in this same process with forksafe's at-fork callbacks bypassed
 // (runtime/internal/at_fork_bypass.h), so it differs from the others only by forksafe's work.
-// "raw_clone" is the kernel alone (no glibc fork bookkeeping), for reference. "runtime_idle" is a plain fork() with the runtime fully set up
-// and idle: the default pool has run tasks (its workers are parked), oneTBB has run a parallel
-// algorithm, and the simulated accelerator is initialized. "runtime_busy" forks while a feeder
-// thread keeps the pool busy with short tasks.
+// "raw_clone" is the kernel alone (no glibc fork bookkeeping), for reference. "runtime_idle" is a
+// plain fork() with the runtime fully set up and idle: the default pool has run tasks (its workers
+// are parked), oneTBB has run a parallel algorithm, and the simulated accelerator is initialized.
+// "runtime_busy" forks while a feeder thread keeps the pool busy with short tasks.
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -145,7 +145,8 @@ BENCHMARK(BM_RawClone)->UseRealTime()->MinTime(0.5)->Repetitions(3);
 
 void BM_RuntimeForkBusyPool(benchmark::State& state) {
   SetUpRuntime();
-  ThreadPool pool(forksafe::runtime::ThreadPoolOptions{2, "bench", std::chrono::milliseconds(2000)});
+  ThreadPool pool(
+      forksafe::runtime::ThreadPoolOptions{2, "bench", std::chrono::milliseconds(2000)});
   std::atomic<bool> stop{false};
   std::thread feeder([&] {
     while (!stop) {
@@ -202,8 +203,10 @@ int main(int argc, char** argv) {
   const double idle = reporter.Get("BM_RuntimeForkIdle");
   const double busy = reporter.Get("BM_RuntimeForkBusyPool");
   const double raw = reporter.Get("BM_RawClone");
-  printf("\nmedians: bare fork() %.1f us, runtime idle %.1f us, runtime busy pool %.1f us, "
-         "raw clone %.1f us\n", bare / 1e3, idle / 1e3, busy / 1e3, raw / 1e3);
+  printf(
+      "\nmedians: bare fork() %.1f us, runtime idle %.1f us, runtime busy pool %.1f us, "
+      "raw clone %.1f us\n",
+      bare / 1e3, idle / 1e3, busy / 1e3, raw / 1e3);
   printf("paired ratio runtime_idle / bare (median of 5) = %.2f  (target <= 1.20)\n",
          reporter.paired_ratio());
   if (bare > 0 && idle > 0) {

@@ -5,7 +5,8 @@
 //
 // - BM_BarePingPong: 64 bytes there and back over a socketpair, raw read/write.
 // - BM_PipeRoundTrip: the same through mp::Pipe (framing + codec).
-// - BM_QueueRoundTrip: the same through two mp::Queues (shared ring, robust lock, spin then doorbell).
+// - BM_QueueRoundTrip: the same through two mp::Queues (shared ring, robust lock, spin then
+// doorbell).
 // - BM_ManagerDictSetGet: d.set(k, i) + d.get(k) of an int on a Manager dict proxy (two proxy
 //   round trips); BM_ManagerValueGet: one Value<int>.get(). Python's multiprocessing.Manager()
 //   doing the same: bench/peers/manager_python.py.
@@ -191,8 +192,12 @@ void BM_SharedTensorRoundTrip(benchmark::State& state) {
   state.SetLabel(std::to_string(state.range(0) / 1024) + " KiB");
 }
 BENCHMARK(BM_SharedTensorRoundTrip)
-    ->Arg(4 << 10)->Arg(1 << 20)->Arg(64 << 20)
-    ->UseRealTime()->MinTime(0.5)->Repetitions(3);
+    ->Arg(4 << 10)
+    ->Arg(1 << 20)
+    ->Arg(64 << 20)
+    ->UseRealTime()
+    ->MinTime(0.5)
+    ->Repetitions(3);
 
 void BM_FreshTensorSend(benchmark::State& state) {
   const int64_t n = state.range(0) / 4;
@@ -214,8 +219,13 @@ void BM_FreshTensorSend(benchmark::State& state) {
                  (state.range(1) ? "arena" : "no-arena"));
 }
 BENCHMARK(BM_FreshTensorSend)
-    ->Args({4 << 10, 1})->Args({4 << 10, 0})->Args({1 << 20, 1})->Args({1 << 20, 0})
-    ->UseRealTime()->MinTime(0.5)->Repetitions(3);
+    ->Args({4 << 10, 1})
+    ->Args({4 << 10, 0})
+    ->Args({1 << 20, 1})
+    ->Args({1 << 20, 0})
+    ->UseRealTime()
+    ->MinTime(0.5)
+    ->Repetitions(3);
 
 double TensorNumel(forksafe::device::Tensor t) { return static_cast<double>(t.numel()); }
 FORKSAFE_ENTRY_POINT(TensorNumel);
@@ -249,10 +259,12 @@ void BM_PoolMapTensors(benchmark::State& state) {
     // through the same pool, with a task that does not touch the data.
     const auto s0 = std::chrono::steady_clock::now();
     check += pool.map(&TensorNumel, inputs)[0];
-    serial_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s0).count();
+    serial_us +=
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - s0).count();
     const auto a = std::chrono::steady_clock::now();
     std::vector<double> sums = pool.map(&TensorSum, inputs);
-    total_us += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count();
+    total_us +=
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count();
     if (sums.size() != inputs.size() || sums[0] != static_cast<double>(n)) {
       state.SkipWithError("wrong result");
     }
@@ -264,8 +276,11 @@ void BM_PoolMapTensors(benchmark::State& state) {
   state.SetLabel(std::to_string(count) + " x " + std::to_string(state.range(1) / 1024) + " KiB");
 }
 BENCHMARK(BM_PoolMapTensors)
-    ->Args({2000, 4 << 10})->Args({500, 1 << 20})
-    ->UseRealTime()->MinTime(1.0)->Repetitions(3);
+    ->Args({2000, 4 << 10})
+    ->Args({500, 1 << 20})
+    ->UseRealTime()
+    ->MinTime(1.0)
+    ->Repetitions(3);
 
 // The headline, paired: every iteration makes one bare ping-pong, one Queue round trip of 64 bytes
 // and one round trip of an already-shared tensor of each size, back to back, each timed on its

@@ -103,8 +103,9 @@ int main(int argc, char** argv) {
       ++children_failed;
     }
   }
-  printf("%s: %d forks, a oneTBB thread still running after finalize in %d, finalize refused %d, "
-         "children failed or hung %d\n",
-         held ? "held" : "prepare-only", forks, alive_after_finalize, refused, children_failed);
+  printf(
+      "%s: %d forks, a oneTBB thread still running after finalize in %d, finalize refused %d, "
+      "children failed or hung %d\n",
+      held ? "held" : "prepare-only", forks, alive_after_finalize, refused, children_failed);
   return 0;
 }

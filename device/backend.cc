@@ -36,10 +36,10 @@ void Backend::CheckIndex(int index, const char* what) const {
     }
   }
   if (index < 0 || index >= count) {
-    throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat(what, ": device index ", index, " is out of range for backend \"",
-                             name(), "\", which has ", count, " device(s) (valid: 0..",
-                             count - 1, ")"));
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        absl::StrCat(what, ": device index ", index, " is out of range for backend \"", name(),
+                     "\", which has ", count, " device(s) (valid: 0..", count - 1, ")"));
   }
 }
 
@@ -80,8 +80,8 @@ void Backend::Initialize() { EnsureUsable("Backend::Initialize"); }
 void* Backend::Allocate(int index, size_t bytes) {
   CheckIndex(index, "Allocate");
   if (bytes == 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("Allocate on ", name(), ":", index, " of 0 bytes; ask for at least 1"));
+    throw Error(ErrorCode::kInvalidArgument, absl::StrCat("Allocate on ", name(), ":", index,
+                                                          " of 0 bytes; ask for at least 1"));
   }
   EnsureUsable("Allocate");
   return DoAllocate(index, bytes);
@@ -94,14 +94,13 @@ void Backend::Free(int index, void* ptr) {
   DoFree(index, ptr);
 }
 
-void Backend::Copy(void* dst, Device dst_device, const void* src, Device src_device,
-                   size_t bytes) {
+void Backend::Copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
   auto ours = [&](Device d) { return d.type == type() || d.type == DeviceType::kCPU; };
   if (!ours(dst_device) || !ours(src_device)) {
-    throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("the \"", name(), "\" backend cannot copy from ",
-                             src_device.ToString(), " to ", dst_device.ToString(),
-                             "; stage the copy through the host (cpu)"));
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        absl::StrCat("the \"", name(), "\" backend cannot copy from ", src_device.ToString(),
+                     " to ", dst_device.ToString(), "; stage the copy through the host (cpu)"));
   }
   if (dst_device.type == type()) CheckIndex(dst_device.index, "Copy (destination)");
   if (src_device.type == type()) CheckIndex(src_device.index, "Copy (source)");
@@ -117,7 +116,8 @@ void Backend::Memset(int index, void* ptr, int value, size_t bytes) {
   CheckIndex(index, "Memset");
   if (bytes == 0) return;
   if (ptr == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument, "Memset was given a null pointer with a non-zero size");
+    throw Error(ErrorCode::kInvalidArgument,
+                "Memset was given a null pointer with a non-zero size");
   }
   EnsureUsable("Memset");
   DoMemset(index, ptr, value, bytes);

@@ -51,9 +51,9 @@ enum class ForkBehavior {
 /// Static facts about one device, available without initializing its backend.
 struct DeviceProperties {
   std::string name;
-  size_t total_memory = 0;        ///< Bytes.
-  bool host_accessible = false;   ///< Whether its pointers may be dereferenced on the host.
-  bool supports_ipc = false;      ///< Whether its memory can be exported to another process.
+  size_t total_memory = 0;       ///< Bytes.
+  bool host_accessible = false;  ///< Whether its pointers may be dereferenced on the host.
+  bool supports_ipc = false;     ///< Whether its memory can be exported to another process.
 };
 
 /// Initialization state of a backend in this process.
@@ -81,8 +81,9 @@ class Backend {
   /// processes. Never initializes.
   virtual IpcBackend* ipc() { return nullptr; }
   /// Why the backend has no devices on this machine or in this build ("no CUDA devices:
-  /// libcuda.so.1 not found (...)"), or "" when that needs no explanation. With a reason, operations on a backend without devices
-  /// throw kUnavailable instead of kInvalidArgument. Never initializes.
+  /// libcuda.so.1 not found (...)"), or "" when that needs no explanation. With a reason,
+  /// operations on a backend without devices throw kUnavailable instead of kInvalidArgument. Never
+  /// initializes.
   virtual std::string UnavailableReason() const { return ""; }
 
   /// Allocates `bytes` (> 0) on device `index`. Throws kResourceExhausted when memory runs out.

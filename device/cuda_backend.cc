@@ -41,9 +41,9 @@ using runtime::ErrorCode;
 using internal::Block;
 using internal::CudaContext;
 using internal::CudaDriver;
+using internal::Dev;
 using internal::DeviceState;
 using internal::DevPtr;
-using internal::Dev;
 using internal::OpenDescriptors;
 using internal::P;
 using internal::SyncStream;
@@ -53,7 +53,6 @@ using runtime::internal::MutexLock;
 namespace {
 
 const char* const kKeptOwner = "device/cuda (driver descriptors)";
-
 
 // Names the NVIDIA driver gives its descriptors and shared memory.
 bool LooksLikeDriver(const std::string& path) {

@@ -109,13 +109,13 @@ class CudaBackend final : public Backend, public IpcBackend {
 
   /// What the caching allocator of device `index` holds (all 0 before the device is used).
   struct CacheStats {
-    size_t segments = 0;         ///< Segments mapped (own, not imported).
-    size_t reserved_bytes = 0;   ///< Bytes of those segments.
-    size_t allocated_bytes = 0;  ///< Bytes in blocks handed out by Allocate (rounded).
-    size_t held_blocks = 0;      ///< Freed blocks kept out of reuse by HoldAfterFree.
+    size_t segments = 0;           ///< Segments mapped (own, not imported).
+    size_t reserved_bytes = 0;     ///< Bytes of those segments.
+    size_t allocated_bytes = 0;    ///< Bytes in blocks handed out by Allocate (rounded).
+    size_t held_blocks = 0;        ///< Freed blocks kept out of reuse by HoldAfterFree.
     size_t imported_segments = 0;  ///< Segments of other processes mapped here and in use.
-    size_t idle_imports = 0;  ///< Imported segments no tensor uses, kept mapped (see above).
-    size_t ipc_waits = 0;  ///< WaitIpcEvent waits queued that the stream was not seen past yet.
+    size_t idle_imports = 0;       ///< Imported segments no tensor uses, kept mapped (see above).
+    size_t ipc_waits = 0;   ///< WaitIpcEvent waits queued that the stream was not seen past yet.
     size_t export_fds = 0;  ///< Own segments keeping their shareable descriptor (see above).
   };
   /// Statistics of device `index`. Never initializes.

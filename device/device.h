@@ -16,9 +16,10 @@ namespace forksafe::device {
 
 /// The kinds of backend forksafe knows.
 enum class DeviceType : uint8_t {
-  kCPU = 0,       ///< Host memory; always available; fork-safe.
-  kSimAccel = 1,  ///< The simulated accelerator: behaves like a GPU across fork (see sim_backend.h).
-  kCUDA = 2,      ///< NVIDIA GPUs through the CUDA driver.
+  kCPU = 0,  ///< Host memory; always available; fork-safe.
+  kSimAccel =
+      1,      ///< The simulated accelerator: behaves like a GPU across fork (see sim_backend.h).
+  kCUDA = 2,  ///< NVIDIA GPUs through the CUDA driver.
 };
 
 /// Number of DeviceType values.

@@ -53,14 +53,38 @@ DLDataType ToDLDataType(DType dtype) {
   DLDataType t;
   t.lanes = 1;
   switch (dtype) {
-    case DType::kFloat32: t.code = kDLFloat; t.bits = 32; return t;
-    case DType::kFloat64: t.code = kDLFloat; t.bits = 64; return t;
-    case DType::kInt32: t.code = kDLInt; t.bits = 32; return t;
-    case DType::kInt64: t.code = kDLInt; t.bits = 64; return t;
-    case DType::kUInt8: t.code = kDLUInt; t.bits = 8; return t;
-    case DType::kBool: t.code = kDLBoolCode; t.bits = 8; return t;
-    case DType::kFloat16: t.code = kDLFloat; t.bits = 16; return t;
-    case DType::kBFloat16: t.code = kDLBfloat; t.bits = 16; return t;
+    case DType::kFloat32:
+      t.code = kDLFloat;
+      t.bits = 32;
+      return t;
+    case DType::kFloat64:
+      t.code = kDLFloat;
+      t.bits = 64;
+      return t;
+    case DType::kInt32:
+      t.code = kDLInt;
+      t.bits = 32;
+      return t;
+    case DType::kInt64:
+      t.code = kDLInt;
+      t.bits = 64;
+      return t;
+    case DType::kUInt8:
+      t.code = kDLUInt;
+      t.bits = 8;
+      return t;
+    case DType::kBool:
+      t.code = kDLBoolCode;
+      t.bits = 8;
+      return t;
+    case DType::kFloat16:
+      t.code = kDLFloat;
+      t.bits = 16;
+      return t;
+    case DType::kBFloat16:
+      t.code = kDLBfloat;
+      t.bits = 16;
+      return t;
   }
   throw Error(ErrorCode::kInvalidArgument,
               absl::StrCat("ToDLPack: invalid dtype value ", static_cast<int>(dtype)));
@@ -87,8 +111,7 @@ DType FromDLDataType(DLDataType dtype) {
       case kDLBoolCode:
         if (dtype.bits == 8) return DType::kBool;
         break;
-      default:
-        break;
+      default: break;
     }
   }
   throw Error(ErrorCode::kInvalidArgument,
@@ -103,7 +126,10 @@ DLDevice ToDLDevice(const Device& device) {
   DLDevice d;
   d.device_id = device.index;
   switch (device.type) {
-    case DeviceType::kCPU: d.device_type = kDLCPU; d.device_id = 0; return d;
+    case DeviceType::kCPU:
+      d.device_type = kDLCPU;
+      d.device_id = 0;
+      return d;
     case DeviceType::kCUDA: d.device_type = kDLCUDA; return d;
     case DeviceType::kSimAccel: d.device_type = kDLExtDev; return d;
   }
@@ -114,8 +140,7 @@ DLDevice ToDLDevice(const Device& device) {
 Device FromDLDevice(DLDevice device) {
   Device out;
   switch (device.device_type) {
-    case kDLCPU:
-      return kCPU;  // device_id carries nothing for host memory
+    case kDLCPU: return kCPU;  // device_id carries nothing for host memory
     case kDLCUDA:
       if (!HasBackend(DeviceType::kCUDA)) {
         throw Error(ErrorCode::kUnavailable,
@@ -125,9 +150,7 @@ Device FromDLDevice(DLDevice device) {
       }
       out = Device(DeviceType::kCUDA, device.device_id);
       break;
-    case kDLExtDev:
-      out = Device(DeviceType::kSimAccel, device.device_id);
-      break;
+    case kDLExtDev: out = Device(DeviceType::kSimAccel, device.device_id); break;
     default:
       throw Error(ErrorCode::kUnavailable,
                   absl::StrCat("FromDLPack: DLPack device type ", device.device_type, " (",
@@ -207,15 +230,15 @@ Tensor FromDLPack(DLManagedTensor* managed) {
   }
   // When `bad`, nbytes stays 0 and FromStorage below reports the precise problem.
   if (nbytes != 0 && dl.data == nullptr) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "FromDLPack: data is null for a tensor with elements");
+    throw Error(ErrorCode::kInvalidArgument, "FromDLPack: data is null for a tensor with elements");
   }
   void* data = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(dl.data) + dl.byte_offset);
   auto armed = std::make_shared<bool>(false);
   Storage storage = Storage::FromExternal(device, data, nbytes, [managed, armed](void*) {
     if (*armed && managed->deleter != nullptr) managed->deleter(managed);
   });
-  Tensor t = Tensor::FromStorage(std::move(storage), dtype, std::move(shape), std::move(strides), 0);
+  Tensor t =
+      Tensor::FromStorage(std::move(storage), dtype, std::move(shape), std::move(strides), 0);
   *armed = true;
   return t;
 }

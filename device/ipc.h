@@ -86,11 +86,11 @@ struct IpcEventHandle {
   /// True when the exporter synchronized instead of recording (no event could be had): there is
   /// nothing to wait for.
   bool complete = true;
-  int fd = -1;             ///< The event pool's descriptor where the backend needs one, else -1.
-  uint64_t pool_id = 0;    ///< Identity of the exporter's event pool.
-  uint32_t slot = 0;       ///< Which event of the pool.
-  uint64_t sequence = 0;   ///< Which recording of that event.
-  pid_t exporter = 0;      ///< The recording process.
+  int fd = -1;            ///< The event pool's descriptor where the backend needs one, else -1.
+  uint64_t pool_id = 0;   ///< Identity of the exporter's event pool.
+  uint32_t slot = 0;      ///< Which event of the pool.
+  uint64_t sequence = 0;  ///< Which recording of that event.
+  pid_t exporter = 0;     ///< The recording process.
   std::array<uint8_t, 64> opaque{};  ///< The backend's own event handle bytes (CUDA).
 };
 

@@ -100,16 +100,20 @@ void RegisterBackend(std::unique_ptr<Backend> backend) {
 bool RegisterBackendFactory(DeviceType type, BackendFactory factory) noexcept {
   const int i = static_cast<int>(type);
   if (factory == nullptr || i < 0 || i >= kNumDeviceTypes) {
-    std::fprintf(stderr, "forksafe: RegisterBackendFactory: no factory, or device type %d is out "
-                         "of range; ignored\n", i);
+    std::fprintf(stderr,
+                 "forksafe: RegisterBackendFactory: no factory, or device type %d is out "
+                 "of range; ignored\n",
+                 i);
     return false;
   }
   bool built = false;
   {
     runtime::internal::MutexLock lk(&g_factories_mu);
     if (g_factories[i] != nullptr) {
-      std::fprintf(stderr, "forksafe: a second backend for device type \"%s\" registered itself; "
-                           "the first one is kept\n", DeviceTypeName(type));
+      std::fprintf(stderr,
+                   "forksafe: a second backend for device type \"%s\" registered itself; "
+                   "the first one is kept\n",
+                   DeviceTypeName(type));
       return false;
     }
     g_factories[i] = factory;
@@ -223,9 +227,7 @@ void SetCurrentDevice(std::optional<Device> device) {
   t_current = device;
 }
 
-DeviceGuard::DeviceGuard(const Device& device) : previous_(t_current) {
-  SetCurrentDevice(device);
-}
+DeviceGuard::DeviceGuard(const Device& device) : previous_(t_current) { SetCurrentDevice(device); }
 
 DeviceGuard::~DeviceGuard() { t_current = previous_; }
 

@@ -59,11 +59,11 @@ bool RegisterBackendFactory(DeviceType type, BackendFactory factory) noexcept;
 
 /// Registers `Class` (default-constructible, derived from Backend) as the backend for `type`.
 /// Use once, at namespace scope, in the backend's own .cc; its library must be `alwayslink`.
-#define FORKSAFE_REGISTER_BACKEND(type, Class)                                          \
-  [[maybe_unused]] static const bool forksafe_backend_registered_##Class =             \
-      ::forksafe::device::RegisterBackendFactory(                                      \
-          (type), []() -> std::unique_ptr<::forksafe::device::Backend> {               \
-            return std::make_unique<Class>();                                          \
+#define FORKSAFE_REGISTER_BACKEND(type, Class)                             \
+  [[maybe_unused]] static const bool forksafe_backend_registered_##Class = \
+      ::forksafe::device::RegisterBackendFactory(                          \
+          (type), []() -> std::unique_ptr<::forksafe::device::Backend> {   \
+            return std::make_unique<Class>();                              \
           })
 
 /// True when a backend is registered for `type`.

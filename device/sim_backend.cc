@@ -100,8 +100,8 @@ void SimBackend::DoInitialize() {
         auto page = [&k](const internal::SimEventPage& p) {
           k.AddFd(p.fd, "simulated accelerator's event page");
           const auto start = reinterpret_cast<uintptr_t>(p.words);
-          k.mappings.push_back({{start, start + internal::kEventPageBytes},
-                                "simulated accelerator's event page"});
+          k.mappings.push_back(
+              {{start, start + internal::kEventPageBytes}, "simulated accelerator's event page"});
         };
         for (const auto& pool : raw->event_pools) {
           if (pool.page != nullptr) page(*pool.page);
@@ -136,9 +136,9 @@ void* SimBackend::DoAllocate(int index, size_t bytes) {
     ctx_->ReclaimParked(dev);
     if (void* p = ctx_->Carve(index, dev, need)) return p;
   }
-  const size_t seg_size = need <= internal::kSmallMax
-                              ? internal::kGranularity
-                              : runtime::internal::RoundUpOrThrow(need, internal::kGranularity, "sim");
+  const size_t seg_size = need <= internal::kSmallMax ? internal::kGranularity
+                                                      : runtime::internal::RoundUpOrThrow(
+                                                            need, internal::kGranularity, "sim");
   ctx_->Reserve(index, dev, seg_size, bytes);
   // The segment is reserved with fallocate: check what the host can give first.
   runtime::internal::CheckMemoryAvailable(seg_size, runtime::internal::MemoryUse::kShared,

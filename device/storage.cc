@@ -85,7 +85,9 @@ Device Storage::device() const { return impl_->device; }
 long Storage::use_count() const { return impl_.use_count(); }
 
 bool Storage::is_shared() const { return impl_->shared.load(std::memory_order_acquire); }
-void Storage::set_shared(bool shared) const { impl_->shared.store(shared, std::memory_order_release); }
+void Storage::set_shared(bool shared) const {
+  impl_->shared.store(shared, std::memory_order_release);
+}
 
 std::shared_ptr<void> Storage::sharing_context() const {
   runtime::internal::MutexLock lk(&impl_->mu);

@@ -27,8 +27,7 @@ int64_t CheckShape(const std::vector<int64_t>& shape, DType dtype, const char* w
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] < 0) {
       throw Invalid(absl::StrCat(what, ": shape ", ShapeString(shape), " has a negative extent (",
-                                 shape[i], " in dimension ", i,
-                                 "); every extent must be >= 0"));
+                                 shape[i], " in dimension ", i, "); every extent must be >= 0"));
     }
     if (__builtin_mul_overflow(n, shape[i], &n)) {
       throw Invalid(absl::StrCat(what, ": shape ", ShapeString(shape),
@@ -60,8 +59,8 @@ int64_t WrapDim(int64_t dim, int64_t ndim, const char* what) {
   }
   const int64_t d = dim < 0 ? dim + ndim : dim;
   if (d < 0 || d >= ndim) {
-    throw Invalid(absl::StrCat(what, ": dimension ", dim, " is out of range for a tensor of ",
-                               ndim, " dimension(s) (valid: ", -ndim, "..", ndim - 1, ")"));
+    throw Invalid(absl::StrCat(what, ": dimension ", dim, " is out of range for a tensor of ", ndim,
+                               " dimension(s) (valid: ", -ndim, "..", ndim - 1, ")"));
   }
   return d;
 }
@@ -69,9 +68,10 @@ int64_t WrapDim(int64_t dim, int64_t ndim, const char* what) {
 int64_t WrapIndex(int64_t index, int64_t size, int64_t dim, const char* what) {
   const int64_t i = index < 0 ? index + size : index;
   if (i < 0 || i >= size) {
-    throw Invalid(absl::StrCat(
-        what, ": index ", index, " is out of range for dimension ", dim, " of size ", size,
-        size == 0 ? " (the dimension is empty)" : absl::StrCat(" (valid: ", -size, "..", size - 1, ")")));
+    throw Invalid(absl::StrCat(what, ": index ", index, " is out of range for dimension ", dim,
+                               " of size ", size,
+                               size == 0 ? " (the dimension is empty)"
+                                         : absl::StrCat(" (valid: ", -size, "..", size - 1, ")")));
   }
   return i;
 }
@@ -164,9 +164,7 @@ void EncodeScalar(double v, DType dtype, void* out, const char* what) {
       std::memcpy(out, &f, sizeof f);
       return;
     }
-    case DType::kFloat64:
-      std::memcpy(out, &v, sizeof v);
-      return;
+    case DType::kFloat64: std::memcpy(out, &v, sizeof v); return;
     case DType::kInt32: {
       integral(-2147483648.0, 2147483648.0);
       const int32_t x = static_cast<int32_t>(v);
@@ -364,9 +362,10 @@ Tensor Tensor::FromHost(const void* data, size_t count, const std::vector<int64_
 Tensor Tensor::FromVector(const std::vector<uint16_t>& bits, const std::vector<int64_t>& shape,
                           DType dtype, Device device) {
   if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
-    throw Invalid(absl::StrCat("Tensor::FromVector: uint16_t bits make a float16 or bfloat16 "
-                               "tensor, not ",
-                               DTypeName(dtype), "; pass DType::kFloat16 or DType::kBFloat16"));
+    throw Invalid(
+        absl::StrCat("Tensor::FromVector: uint16_t bits make a float16 or bfloat16 "
+                     "tensor, not ",
+                     DTypeName(dtype), "; pass DType::kFloat16 or DType::kBFloat16"));
   }
   return FromHost(bits.data(), bits.size(), shape, dtype, device);
 }
@@ -463,13 +462,14 @@ Tensor Tensor::View(const std::vector<int64_t>& new_shape) const {
   for (size_t i = 0; i < new_shape.size(); ++i) {
     if (new_shape[i] == -1) {
       if (infer >= 0) {
-        throw Invalid(absl::StrCat("View(", ShapeString(new_shape),
-                                   "): only one extent may be -1"));
+        throw Invalid(
+            absl::StrCat("View(", ShapeString(new_shape), "): only one extent may be -1"));
       }
       infer = static_cast<int>(i);
     } else if (new_shape[i] < 0) {
       throw Invalid(absl::StrCat("View(", ShapeString(new_shape), "): extent ", new_shape[i],
-                                 " in dimension ", i, " is negative (only -1, to infer, is allowed)"));
+                                 " in dimension ", i,
+                                 " is negative (only -1, to infer, is allowed)"));
     } else if (__builtin_mul_overflow(known, new_shape[i], &known)) {
       throw Invalid(absl::StrCat("View(", ShapeString(new_shape), "): too many elements"));
     }
@@ -499,10 +499,11 @@ Tensor Tensor::Slice(int64_t dim, int64_t start, int64_t end, int64_t step) cons
   const int64_t s = start < 0 ? start + size : start;
   const int64_t e = end == kToEnd ? size : (end < 0 ? end + size : end);
   if (s < 0 || s > e || e > size) {
-    throw Invalid(absl::StrCat(
-        "Slice(dim=", dim, ", start=", start, ", end=", end == kToEnd ? std::string("kToEnd") : absl::StrCat(end),
-        "): dimension ", d, " has size ", size, "; need 0 <= start <= end <= ", size,
-        " after adding ", size, " to negative values"));
+    throw Invalid(absl::StrCat("Slice(dim=", dim, ", start=", start,
+                               ", end=", end == kToEnd ? std::string("kToEnd") : absl::StrCat(end),
+                               "): dimension ", d, " has size ", size,
+                               "; need 0 <= start <= end <= ", size, " after adding ", size,
+                               " to negative values"));
   }
   const int64_t len = s == e ? 0 : 1 + (e - s - 1) / step;
   std::vector<int64_t> shape = shape_;
@@ -620,8 +621,8 @@ int64_t Tensor::ElementOffset(std::initializer_list<int64_t> index, const char* 
 
 void Tensor::ReadElement(int64_t element_offset, void* out) const {
   const size_t isz = element_size();
-  DeviceToHost(out, Advance(storage_.data(), element_offset * static_cast<int64_t>(isz)),
-               device(), isz);
+  DeviceToHost(out, Advance(storage_.data(), element_offset * static_cast<int64_t>(isz)), device(),
+               isz);
 }
 
 void Tensor::WriteElement(int64_t element_offset, const void* in) const {

@@ -94,13 +94,32 @@ float BFloat16ToFloat(uint16_t bits);
 namespace internal {
 // The DType a C++ element type maps to without ambiguity (uint16_t has none: it is either
 // float16 or bfloat16).
-template <class T> struct DTypeOf;
-template <> struct DTypeOf<float> { static constexpr DType value = DType::kFloat32; };
-template <> struct DTypeOf<double> { static constexpr DType value = DType::kFloat64; };
-template <> struct DTypeOf<int32_t> { static constexpr DType value = DType::kInt32; };
-template <> struct DTypeOf<int64_t> { static constexpr DType value = DType::kInt64; };
-template <> struct DTypeOf<uint8_t> { static constexpr DType value = DType::kUInt8; };
-template <> struct DTypeOf<bool> { static constexpr DType value = DType::kBool; };
+template <class T>
+struct DTypeOf;
+template <>
+struct DTypeOf<float> {
+  static constexpr DType value = DType::kFloat32;
+};
+template <>
+struct DTypeOf<double> {
+  static constexpr DType value = DType::kFloat64;
+};
+template <>
+struct DTypeOf<int32_t> {
+  static constexpr DType value = DType::kInt32;
+};
+template <>
+struct DTypeOf<int64_t> {
+  static constexpr DType value = DType::kInt64;
+};
+template <>
+struct DTypeOf<uint8_t> {
+  static constexpr DType value = DType::kUInt8;
+};
+template <>
+struct DTypeOf<bool> {
+  static constexpr DType value = DType::kBool;
+};
 
 template <class T>
 constexpr bool kIsElementType =
@@ -118,14 +137,36 @@ bool Matches(DType dtype) {
   }
 }
 
-template <class T> const char* CppTypeName();
-template <> inline const char* CppTypeName<float>() { return "float"; }
-template <> inline const char* CppTypeName<double>() { return "double"; }
-template <> inline const char* CppTypeName<int32_t>() { return "int32_t"; }
-template <> inline const char* CppTypeName<int64_t>() { return "int64_t"; }
-template <> inline const char* CppTypeName<uint8_t>() { return "uint8_t"; }
-template <> inline const char* CppTypeName<bool>() { return "bool"; }
-template <> inline const char* CppTypeName<uint16_t>() { return "uint16_t"; }
+template <class T>
+const char* CppTypeName();
+template <>
+inline const char* CppTypeName<float>() {
+  return "float";
+}
+template <>
+inline const char* CppTypeName<double>() {
+  return "double";
+}
+template <>
+inline const char* CppTypeName<int32_t>() {
+  return "int32_t";
+}
+template <>
+inline const char* CppTypeName<int64_t>() {
+  return "int64_t";
+}
+template <>
+inline const char* CppTypeName<uint8_t>() {
+  return "uint8_t";
+}
+template <>
+inline const char* CppTypeName<bool>() {
+  return "bool";
+}
+template <>
+inline const char* CppTypeName<uint16_t>() {
+  return "uint16_t";
+}
 }  // namespace internal
 
 /// A strided view of typed elements over a Storage. Copies of a Tensor share its storage.
@@ -151,8 +192,8 @@ class Tensor {
   /// kInvalidArgument when `value` does not fit: a non-integral, non-finite or out-of-range
   /// value for an integer dtype, or a finite value beyond a floating dtype's range. For bool,
   /// any non-zero value is true.
-  static Tensor Full(const std::vector<int64_t>& shape, double value,
-                     DType dtype = DType::kFloat32, Device device = CurrentDevice());
+  static Tensor Full(const std::vector<int64_t>& shape, double value, DType dtype = DType::kFloat32,
+                     Device device = CurrentDevice());
 
   /// A contiguous tensor holding `values` (row-major), of dtype DTypeOf<T>, created on the CPU
   /// and copied to `device` if that is not the CPU. Throws kInvalidArgument when values.size()

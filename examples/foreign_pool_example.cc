@@ -66,8 +66,8 @@ int main() {
   const bool all_ran = pool.WaitIdle(30s) && done.load() == kTasks;
   const forksafe::runtime::ForeignPoolStats s = pool.fork_guard().stats();
   std::printf("children that ran their tasks on the rebuilt pool: %d of 3\n", children_ok);
-  std::printf("parent tasks run: %d of %d (parked %llu times, resumed %llu)\n", done.load(),
-              kTasks, static_cast<unsigned long long>(s.parked),
+  std::printf("parent tasks run: %d of %d (parked %llu times, resumed %llu)\n", done.load(), kTasks,
+              static_cast<unsigned long long>(s.parked),
               static_cast<unsigned long long>(s.resumed));
   return children_ok == 3 && all_ran && s.parked >= 3 ? 0 : 1;
 }

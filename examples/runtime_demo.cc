@@ -164,8 +164,8 @@ int Child(fr::ThreadPool& pool) {
   }
   int st = 0;
   waitpid(gc, &st, 0);
-  const bool ok = std::fabs(by_pool - want) / want < 1e-9 && std::fabs(by_tbb - want) / want < 1e-9 &&
-                  WIFEXITED(st) && WEXITSTATUS(st) == 0;
+  const bool ok = std::fabs(by_pool - want) / want < 1e-9 &&
+                  std::fabs(by_tbb - want) / want < 1e-9 && WIFEXITED(st) && WEXITSTATUS(st) == 0;
   return ok ? 0 : 1;
 }
 
@@ -216,23 +216,26 @@ bool MultiprocessingDemo() {
   mp::Pool pool(po);
   const auto a = std::chrono::steady_clock::now();
   std::vector<fdv::Tensor> rows = pool.map(&Normalize, batch);
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count();
   bool in_place = true;
   for (size_t i = 0; i < batch.size(); ++i) {
     in_place &= batch[i].is_shared() && batch[i].item<float>({255, 1023}) == 1.0f &&
                 rows[i].storage() == batch[i].storage();
   }
-  printf("   map took %.1f ms; inputs now in shared memory: %s; the workers' in-place writes are "
-         "visible here and each result is a view of its input: %s\n",
-         ms, batch[0].is_shared() ? "yes" : "no", in_place ? "yes" : "NO");
-  printf("   (the first tensor moved to shared memory once: %p -> %p; strategy %s)\n",
-         first_before, batch[0].data_ptr(), mp::get_sharing_strategy().c_str());
+  printf(
+      "   map took %.1f ms; inputs now in shared memory: %s; the workers' in-place writes are "
+      "visible here and each result is a view of its input: %s\n",
+      ms, batch[0].is_shared() ? "yes" : "no", in_place ? "yes" : "NO");
+  printf("   (the first tensor moved to shared memory once: %p -> %p; strategy %s)\n", first_before,
+         batch[0].data_ptr(), mp::get_sharing_strategy().c_str());
   pool.close();
   pool.join(10.0);
   if (!in_place) return false;
 
-  printf("\n7. Tensors on sim:0 cross to a spawned process without leaving the device; the\n"
-         "   producer drops each one right after put().\n");
+  printf(
+      "\n7. Tensors on sim:0 cross to a spawned process without leaving the device; the\n"
+      "   producer drops each one right after put().\n");
   const fdv::Device sim0(fdv::DeviceType::kSimAccel, 0);
   mp::Queue to_consumer, sums;
   mp::Process consumer(mp::ProcessOptions{"consumer", false, "spawn"}, &SumDeviceTensors,
@@ -254,7 +257,7 @@ bool MultiprocessingDemo() {
 
 int main(int argc, char** argv) {
   forksafe::mp::InitMain(argc, argv);  // spawned children take over here
-  alarm(60);  // a demo must never hang
+  alarm(60);                           // a demo must never hang
   setvbuf(stdout, nullptr, _IOLBF, 0);
   printf("forksafe runtime demo (pid %d)\n\n", getpid());
 

@@ -54,10 +54,8 @@ class TinyPool {
  public:
   explicit TinyPool(int threads, std::string name = "tiny") : n_(threads) {
     guard_.emplace(forksafe::runtime::ForeignPoolCallbacks{
-        std::move(name),
-        [this](const forksafe::runtime::PrepareAttempt& a) { return Park(a); },
-        [this] { Resume(); },
-        [this](bool parked) { RebuildInChild(parked); }});
+        std::move(name), [this](const forksafe::runtime::PrepareAttempt& a) { return Park(a); },
+        [this] { Resume(); }, [this](bool parked) { RebuildInChild(parked); }});
   }
 
   ~TinyPool() {

@@ -122,8 +122,7 @@ CodecContext*& CurrentCodecContext();
 
 class ScopedCodecContext {
  public:
-  explicit ScopedCodecContext(std::vector<FileDescriptor>* fds)
-      : previous_(CurrentCodecContext()) {
+  explicit ScopedCodecContext(std::vector<FileDescriptor>* fds) : previous_(CurrentCodecContext()) {
     ctx_.fds = fds;
     CurrentCodecContext() = &ctx_;
   }

@@ -27,8 +27,9 @@ using internal::kFrameMagic;
 
 [[noreturn]] void ThrowPeerClosed(const char* what) {
   throw Error(ErrorCode::kClosed,
-              absl::StrCat(what, ": the other end of the connection was closed (the peer "
-                                 "process closed it or exited)"));
+              absl::StrCat(what,
+                           ": the other end of the connection was closed (the peer "
+                           "process closed it or exited)"));
 }
 
 // Writes all of [data, data+len) on a stream socket, the first chunk with `fds` attached.
@@ -64,7 +65,8 @@ bool PollFd(int fd, short events, Timeout timeout, const char* what);
 [[noreturn]] void ThrowTornTimeout(double seconds, size_t arrived, const std::string& of) {
   throw Error(ErrorCode::kDeadlineExceeded,
               absl::StrCat("recv: a message started but did not finish within ", seconds, " s (",
-                           arrived, " of ", of, " bytes arrived: the sender stalled, or died "
+                           arrived, " of ", of,
+                           " bytes arrived: the sender stalled, or died "
                            "while another process holds its end open); the connection was "
                            "closed, since the rest of the stream cannot be trusted"));
 }
@@ -119,8 +121,9 @@ bool PollFd(int fd, short events, Timeout timeout, const char* what) {
     int ms = -1;
     if (deadline.has_value()) {
       const auto left = *deadline - internal::Clock::now();
-      ms = left.count() <= 0 ? 0
-                             : static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(left).count());
+      ms = left.count() <= 0
+               ? 0
+               : static_cast<int>(std::chrono::ceil<std::chrono::milliseconds>(left).count());
     }
     pollfd p{fd, events, 0};
     const int rc = ::poll(&p, 1, ms);
@@ -172,7 +175,8 @@ void Connection::SendMessage(const Message& msg) {
   if (msg.bytes.size() > s.max_bytes) {
     throw Error(ErrorCode::kInvalidArgument,
                 absl::StrCat("send: message of ", msg.bytes.size(), " bytes exceeds the limit of ",
-                             s.max_bytes, " bytes; raise it with set_max_message_bytes() on both "
+                             s.max_bytes,
+                             " bytes; raise it with set_max_message_bytes() on both "
                              "ends, or send large data through shared memory"));
   }
   if (msg.fds.size() > kMaxDescriptors) {
@@ -234,8 +238,7 @@ Message Connection::RecvMessage(Timeout timeout) {
   char raw[sizeof(FrameHeader)];
   size_t got = 0;
   switch (RecvAllOrClose(s.fd, raw, sizeof(raw), &msg.fds, deadline, &got)) {
-    case Received::kEndOfStream:
-      ThrowPeerClosed("recv");
+    case Received::kEndOfStream: ThrowPeerClosed("recv");
     case Received::kTimedOut:
       if (got == 0) {
         throw Error(ErrorCode::kDeadlineExceeded,
@@ -243,8 +246,7 @@ Message Connection::RecvMessage(Timeout timeout) {
       }
       s.fd.reset();
       ThrowTornTimeout(timeout->count(), got, absl::StrCat("at least ", sizeof(FrameHeader)));
-    case Received::kAll:
-      break;
+    case Received::kAll: break;
   }
   FrameHeader h;
   try {
@@ -260,13 +262,12 @@ Message Connection::RecvMessage(Timeout timeout) {
       case Received::kEndOfStream:
         throw Error(ErrorCode::kClosed,
                     absl::StrCat("recv: the peer closed the connection in the middle of a "
-                                 "message (", sizeof(h), " of ", sizeof(h) + h.length,
-                                 " bytes arrived)"));
+                                 "message (",
+                                 sizeof(h), " of ", sizeof(h) + h.length, " bytes arrived)"));
       case Received::kTimedOut:
         s.fd.reset();
         ThrowTornTimeout(timeout->count(), sizeof(h) + got, std::to_string(sizeof(h) + h.length));
-      case Received::kAll:
-        break;
+      case Received::kAll: break;
     }
   }
   internal::CheckFrameDescriptors(h, msg.fds.size());

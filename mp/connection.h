@@ -38,7 +38,6 @@
 
 namespace forksafe::mp {
 
-
 /// One end of a message channel between processes.
 class Connection {
  public:

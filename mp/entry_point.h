@@ -62,7 +62,7 @@ bool RegisterFunction(const char* name, R (*fn)(Args...)) {
 #define FORKSAFE_MP_CONCAT(a, b) FORKSAFE_MP_CONCAT_INNER(a, b)
 
 /// Registers the free function `fn` (at namespace scope) under its own name.
-#define FORKSAFE_ENTRY_POINT(fn)                                                  \
+#define FORKSAFE_ENTRY_POINT(fn)                                                           \
   [[maybe_unused]] static const bool FORKSAFE_MP_CONCAT(forksafe_entry_point_, __LINE__) = \
       ::forksafe::mp::internal::RegisterFunction(#fn, &fn)
 

@@ -27,9 +27,8 @@ std::vector<std::pair<std::string, std::string>> SpawnChildEnvironment(const Lau
                                                                        int nprocs, int index,
                                                                        int master_port) {
   if (nprocs < 1 || index < 0 || index >= nprocs) {
-    throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("SpawnChildEnvironment: index ", index, " is not in [0, nprocs = ",
-                             nprocs, ")"));
+    throw Error(ErrorCode::kInvalidArgument, absl::StrCat("SpawnChildEnvironment: index ", index,
+                                                          " is not in [0, nprocs = ", nprocs, ")"));
   }
   const long long world = static_cast<long long>(parent.world_size) * nprocs;
   if (world > INT_MAX) {
@@ -144,11 +143,11 @@ bool RecordFailureForLauncher(const std::string& type, const std::string& messag
                               const std::string& traceback) {
   const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
   if (path == nullptr || *path == '\0') return false;
-  const std::string json = absl::StrCat(
-      "{\"message\": {\"message\": \"", JsonEscape(absl::StrCat(type, ": ", message)),
-      "\", \"extraInfo\": {\"py_callstack\": \"",
-      JsonEscape(traceback.empty() ? absl::StrCat(type, ": ", message) : traceback),
-      "\", \"timestamp\": \"", static_cast<long long>(std::time(nullptr)), "\"}}}\n");
+  const std::string json =
+      absl::StrCat("{\"message\": {\"message\": \"", JsonEscape(absl::StrCat(type, ": ", message)),
+                   "\", \"extraInfo\": {\"py_callstack\": \"",
+                   JsonEscape(traceback.empty() ? absl::StrCat(type, ": ", message) : traceback),
+                   "\", \"timestamp\": \"", static_cast<long long>(std::time(nullptr)), "\"}}}\n");
   std::FILE* f = std::fopen(path, "w");
   bool ok = f != nullptr && std::fwrite(json.data(), 1, json.size(), f) == json.size();
   if (f != nullptr && std::fclose(f) != 0) ok = false;

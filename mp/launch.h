@@ -53,9 +53,9 @@ LaunchInfo GetLaunchInfo();
 
 /// The variables spawn() sets in child `index` of `nprocs` started by a process whose place is
 /// `parent` (the rule of the banner). `master_port` is used as MASTER_PORT when `parent` has no
-/// rendezvous address and is alone (FreeLoopbackPort() picks one; 0: none). Throws kInvalidArgument when nprocs < 1 or
-/// index is outside [0, nprocs), and kResourceExhausted when the nested world would not fit in an
-/// int.
+/// rendezvous address and is alone (FreeLoopbackPort() picks one; 0: none). Throws kInvalidArgument
+/// when nprocs < 1 or index is outside [0, nprocs), and kResourceExhausted when the nested world
+/// would not fit in an int.
 std::vector<std::pair<std::string, std::string>> SpawnChildEnvironment(const LaunchInfo& parent,
                                                                        int nprocs, int index,
                                                                        int master_port);

@@ -28,14 +28,14 @@ namespace internal {
 
 void ThrowHoldsDescriptors(const char* what) {
   throw Error(ErrorCode::kInvalidArgument,
-              absl::StrCat(what, ": the value holds a file descriptor (a Connection, Queue, "
-                                 "Lock, tensor, ...), which a manager cannot store; store a "
-                                 "descriptor-free value instead"));
+              absl::StrCat(what,
+                           ": the value holds a file descriptor (a Connection, Queue, "
+                           "Lock, tensor, ...), which a manager cannot store; store a "
+                           "descriptor-free value instead"));
 }
 
 void ThrowNegativeSize(const char* what, int64_t n) {
-  throw Error(ErrorCode::kInvalidArgument,
-              absl::StrCat(what, ": the size must be >= 0, got ", n));
+  throw Error(ErrorCode::kInvalidArgument, absl::StrCat(what, ": the size must be >= 0, got ", n));
 }
 
 void ThrowWrongProxy(const std::string& expected, const std::string& got) {
@@ -56,8 +56,9 @@ ManagerReply ProxyBase::Call(ManagerOp op, const char* what, std::vector<int64_t
                              std::vector<std::string> blobs, std::optional<double> wait) const {
   if (addr_ == nullptr) {
     throw Error(ErrorCode::kFailedPrecondition,
-                absl::StrCat(what, ": an empty proxy (default-constructed, not made by a "
-                                   "Manager nor decoded from one)"));
+                absl::StrCat(what,
+                             ": an empty proxy (default-constructed, not made by a "
+                             "Manager nor decoded from one)"));
   }
   ManagerRequest req;
   req.object = id_;
@@ -223,12 +224,14 @@ void CheckSameManager(const internal::ProxyBase& lock, const internal::ProxyBase
 
 ConditionProxy Manager::Condition(const LockProxy& lock) {
   if (running()) CheckSameManager(lock, internal::ProxyBase(impl_->addr, 0, {}), name());
-  return ConditionProxy(Create(internal::ManagedKind::kCondition, {static_cast<int64_t>(lock.id())}));
+  return ConditionProxy(
+      Create(internal::ManagedKind::kCondition, {static_cast<int64_t>(lock.id())}));
 }
 
 ConditionProxy Manager::Condition(const RLockProxy& lock) {
   if (running()) CheckSameManager(lock, internal::ProxyBase(impl_->addr, 0, {}), name());
-  return ConditionProxy(Create(internal::ManagedKind::kCondition, {static_cast<int64_t>(lock.id())}));
+  return ConditionProxy(
+      Create(internal::ManagedKind::kCondition, {static_cast<int64_t>(lock.id())}));
 }
 
 // ---- proxies ------------------------------------------------------------------------------------
@@ -289,8 +292,8 @@ bool EventProxy::is_set() const { return Flag(Call(ManagerOp::kEventIsSet, "Even
 void EventProxy::set() { Call(ManagerOp::kEventSet, "Event.set"); }
 void EventProxy::clear() { Call(ManagerOp::kEventClear, "Event.clear"); }
 bool EventProxy::wait(Timeout timeout) {
-  return Flag(Call(ManagerOp::kEventWait, "Event.wait", {}, {},
-                   WaitSeconds(true, timeout, "Event.wait")));
+  return Flag(
+      Call(ManagerOp::kEventWait, "Event.wait", {}, {}, WaitSeconds(true, timeout, "Event.wait")));
 }
 
 int64_t BarrierProxy::wait(Timeout timeout) {

@@ -18,7 +18,8 @@
 //     mp::Manager manager;                                  // starts the manager process
 //     auto d = manager.dict<std::string, std::string>();
 //     auto l = manager.list<int>({0, 1, 2});
-//     mp::Process p(&Worker, d, l);                         // Worker(DictProxy<..>, ListProxy<int>)
+//     mp::Process p(&Worker, d, l);                         // Worker(DictProxy<..>,
+//     ListProxy<int>)
 //
 // Guarantees
 //   - Each proxy call is one round trip to the manager, and each operation on an object is
@@ -35,8 +36,8 @@
 //     list/Array index out of range -> kInvalidArgument with the index and the size (negative
 //     indices count from the end); Queue.get on an empty queue and Queue.put on a full one
 //     (timeout or no block) -> kDeadlineExceeded (the code of mp::Empty and mp::Full: the rule of
-//     runtime/error.h); Barrier: the waiter whose timeout ran out gets kDeadlineExceeded and breaks the
-//     barrier, the others get kFailedPrecondition until reset(). Negative Semaphore values,
+//     runtime/error.h); Barrier: the waiter whose timeout ran out gets kDeadlineExceeded and breaks
+//     the barrier, the others get kFailedPrecondition until reset(). Negative Semaphore values,
 //     Barrier parties < 1, an unknown object id, or a proxy decoded as the wrong proxy type ->
 //     kInvalidArgument.
 //   - Failure rule: when the manager is gone (shutdown(), or its process died, e.g. SIGKILL),
@@ -139,8 +140,8 @@ class Manager {
   /// A new list holding `contents`.
   template <class T>
   ListProxy<T> list(const std::vector<T>& contents = {}) {
-    return ListProxy<T>(Create(internal::ManagedKind::kList, {},
-                               internal::EncodeAll(contents, "Manager::list")));
+    return ListProxy<T>(
+        Create(internal::ManagedKind::kList, {}, internal::EncodeAll(contents, "Manager::list")));
   }
   /// A new, empty Namespace (named attributes of any codec type).
   NamespaceProxy Namespace() { return NamespaceProxy(Create(internal::ManagedKind::kNamespace)); }
@@ -187,8 +188,8 @@ class Manager {
   /// A fixed-size array holding `contents`.
   template <class T>
   ArrayProxy<T> Array(const std::vector<T>& contents) {
-    return ArrayProxy<T>(Create(internal::ManagedKind::kArray, {},
-                                internal::EncodeAll(contents, "Manager::Array")));
+    return ArrayProxy<T>(
+        Create(internal::ManagedKind::kArray, {}, internal::EncodeAll(contents, "Manager::Array")));
   }
 
  private:

@@ -81,7 +81,8 @@ std::vector<T> DecodeAll(std::vector<std::string>& blobs) {
 template <class T, class = void>
 struct Streamable : std::false_type {};
 template <class T>
-struct Streamable<T, std::void_t<decltype(std::declval<std::ostream&>() << std::declval<const T&>())>>
+struct Streamable<T,
+                  std::void_t<decltype(std::declval<std::ostream&>() << std::declval<const T&>())>>
     : std::true_type {};
 /// "key 'abc'" / "key 3" / "a key (of a type that cannot be printed)" for messages.
 template <class T>
@@ -156,22 +157,22 @@ class ProxyBase {
 
 // Every proxy: a default constructor (an empty proxy, for decoding into; calls on it throw
 // kFailedPrecondition), cereal save/load, and construction by Manager only.
-#define FORKSAFE_MP_PROXY_COMMON(Self, Kind)                                    \
- public:                                                                        \
-  Self() = default;                                                             \
-  template <class Archive>                                                      \
-  void save(Archive& ar) const {                                                \
-    SaveProxy(ar, typeid(Self).name());                                         \
-  }                                                                             \
-  template <class Archive>                                                      \
-  void load(Archive& ar) {                                                      \
-    LoadProxy(ar, typeid(Self).name(), internal::ManagedKind::Kind);            \
-  }                                                                             \
-                                                                                \
- private:                                                                       \
-  friend class Manager;                                                         \
-  explicit Self(internal::ProxyBase b) : internal::ProxyBase(std::move(b)) {}   \
-                                                                                \
+#define FORKSAFE_MP_PROXY_COMMON(Self, Kind)                                  \
+ public:                                                                      \
+  Self() = default;                                                           \
+  template <class Archive>                                                    \
+  void save(Archive& ar) const {                                              \
+    SaveProxy(ar, typeid(Self).name());                                       \
+  }                                                                           \
+  template <class Archive>                                                    \
+  void load(Archive& ar) {                                                    \
+    LoadProxy(ar, typeid(Self).name(), internal::ManagedKind::Kind);          \
+  }                                                                           \
+                                                                              \
+ private:                                                                     \
+  friend class Manager;                                                       \
+  explicit Self(internal::ProxyBase b) : internal::ProxyBase(std::move(b)) {} \
+                                                                              \
  public:
 
 /// A dict of the manager: K -> V, in insertion order.
@@ -208,8 +209,8 @@ class DictProxy : public internal::ProxyBase {
   }
   /// The value of `key`, first setting it to `value` when absent.
   V setdefault(const K& key, const V& value) {
-    return One(Call(internal::ManagerOp::kDictSetDefault, "dict.setdefault", {},
-                    {Key(key), Val(value)}));
+    return One(
+        Call(internal::ManagerOp::kDictSetDefault, "dict.setdefault", {}, {Key(key), Val(value)}));
   }
   bool contains(const K& key) const {
     return Call(internal::ManagerOp::kDictContains, "dict.contains", {}, {Key(key)}).ints.at(0);
@@ -264,7 +265,9 @@ class DictProxy : public internal::ProxyBase {
  private:
   static std::string Key(const K& k) { return internal::EncodeManaged(k, "dict key"); }
   static std::string Val(const V& v) { return internal::EncodeManaged(v, "dict value"); }
-  static V One(internal::ManagerReply r) { return internal::DecodeManaged<V>(std::move(r.blobs.at(0))); }
+  static V One(internal::ManagerReply r) {
+    return internal::DecodeManaged<V>(std::move(r.blobs.at(0)));
+  }
 };
 
 /// Shared by ListProxy and ArrayProxy: indexed access (negative indices count from the end).

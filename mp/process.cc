@@ -67,8 +67,9 @@ Context get_context(StartMethod method) { return Context(method.Resolved()); }
 std::string SignalName(int sig) {
   const char* abbrev = sigabbrev_np(sig);
   const char* desc = sigdescr_np(sig);
-  return absl::StrCat(abbrev != nullptr ? absl::StrCat("SIG", abbrev) : absl::StrCat("signal ", sig),
-                      " (", desc != nullptr ? desc : "unknown", ")");
+  return absl::StrCat(
+      abbrev != nullptr ? absl::StrCat("SIG", abbrev) : absl::StrCat("signal ", sig), " (",
+      desc != nullptr ? desc : "unknown", ")");
 }
 
 // ---- spawning this executable -----------------------------------------------------------------
@@ -132,10 +133,10 @@ struct Process::Impl {
   pid_t owner = 0;       // the process that started it
   FileDescriptor pidfd;  // waits without polling (fork and spawn), where the kernel has pidfds
   bool gone_at_start = false;  // exited and reaped by someone else before its pidfd was opened
-  Connection result;     // child -> parent reports (and the fork server's "exit")
+  Connection result;           // child -> parent reports (and the fork server's "exit")
   bool said_hello = false;
   bool server_reported_exit = false;
-  bool status_known = false;   // wait_status is the kernel's (or the child's own report)
+  bool status_known = false;  // wait_status is the kernel's (or the child's own report)
   int wait_status = 0;
   std::optional<int> reported_exit_code;  // the child's own "exiting" report
   std::optional<ChildFailure> failure;
@@ -174,11 +175,11 @@ struct Process::Impl {
       } catch (...) {
         // poll() itself failed (ENOMEM, say): nap, so that a caller that loops on this (a wait
         // without deadline, the destructor) retries at a bounded rate instead of spinning.
-        auto nap = std::chrono::duration_cast<internal::Clock::duration>(
-            std::chrono::milliseconds(10));
+        auto nap =
+            std::chrono::duration_cast<internal::Clock::duration>(std::chrono::milliseconds(10));
         if (until.has_value()) {
-          nap = std::min(nap, std::max(internal::Clock::duration::zero(),
-                                       *until - internal::Clock::now()));
+          nap = std::min(
+              nap, std::max(internal::Clock::duration::zero(), *until - internal::Clock::now()));
         }
         std::this_thread::sleep_for(nap);
         return;
@@ -340,7 +341,8 @@ struct Process::Impl {
       throw Error(ErrorCode::kInvalidArgument,
                   absl::StrCat("process \"", options.name,
                                "\": only free functions registered with FORKSAFE_ENTRY_POINT can "
-                               "run under the \"", method.name(),
+                               "run under the \"",
+                               method.name(),
                                "\" start method (lambdas and functors work only with \"fork\")"));
     }
     const std::string entry = internal::EntryPointName(fn);
@@ -349,7 +351,8 @@ struct Process::Impl {
                   absl::StrCat("process \"", options.name,
                                "\": its target function is not registered; add "
                                "FORKSAFE_ENTRY_POINT(<function name>) at namespace scope so that "
-                               "the \"", method.name(), "\" start method can find it by name"));
+                               "the \"",
+                               method.name(), "\" start method can find it by name"));
     }
     if (!encode_args) {
       throw Error(ErrorCode::kInvalidArgument,
@@ -362,11 +365,10 @@ struct Process::Impl {
     auto [parent_end, child_end] = Pipe(true);
     if (method == StartMethod::kSpawn) {
       // Everything that can run out of descriptors happens before the child exists.
-      Message request =
-          internal::EncodeRunRequest(entry, options.name, std::move(args), -1, lifeline.get(),
-                                     options.env);
-      const pid_t child = internal::SpawnExecutable(internal::kChildFlag, child_end.fileno(), -1,
-                                                    &options.env);
+      Message request = internal::EncodeRunRequest(entry, options.name, std::move(args), -1,
+                                                   lifeline.get(), options.env);
+      const pid_t child =
+          internal::SpawnExecutable(internal::kChildFlag, child_end.fileno(), -1, &options.env);
       child_end.close();
       try {
         parent_end.SendMessage(request);
@@ -376,8 +378,7 @@ struct Process::Impl {
         const long fd = syscall(SYS_pidfd_open, child, 0);
         FileDescriptor child_fd(fd >= 0 ? static_cast<int>(fd) : -1);
         try {
-          if (internal::ReapChild(child, child_fd.get()).state ==
-              internal::ReapResult::kRunning) {
+          if (internal::ReapChild(child, child_fd.get()).state == internal::ReapResult::kRunning) {
             internal::SignalChild(child, child_fd.get(), SIGKILL);
             internal::ReapUntilGone(child, child_fd.get());
           }
@@ -529,7 +530,8 @@ void Process::close() {
 
 bool Process::reported_failure() {
   Impl& p = *impl_;
-  if (p.state == Impl::State::kStarted && p.owner == getpid()) p.ReadReports(internal::Clock::now());
+  if (p.state == Impl::State::kStarted && p.owner == getpid())
+    p.ReadReports(internal::Clock::now());
   return p.failure.has_value();
 }
 
@@ -554,8 +556,8 @@ std::optional<ChildFailure> Process::failure() {
   Impl& p = *impl_;
   // Reaps and reads the reports if it has exited (after close(): what was recorded).
   if (p.state == Impl::State::kStarted && p.owner == getpid()) p.Wait(internal::Clock::now());
-  if (!p.failure && p.state == Impl::State::kExited && !p.said_hello && p.method == StartMethod::kSpawn &&
-      p.status_known && WIFEXITED(p.wait_status)) {
+  if (!p.failure && p.state == Impl::State::kExited && !p.said_hello &&
+      p.method == StartMethod::kSpawn && p.status_known && WIFEXITED(p.wait_status)) {
     return ChildFailure{"forksafe::mp::SpawnError",
                         "the spawned child never reached forksafe::mp::InitMain(); call it first "
                         "thing in main() of programs that use the spawn or forkserver start "

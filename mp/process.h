@@ -119,8 +119,8 @@ struct ProcessOptions {
 
 /// What a child reported when its target threw.
 struct ChildFailure {
-  std::string type;       ///< The exception's type, demangled ("std::runtime_error").
-  std::string message;    ///< Its what().
+  std::string type;     ///< The exception's type, demangled ("std::runtime_error").
+  std::string message;  ///< Its what().
   /// The child's stack at the throw, one frame a line, from the throw down to the target (the
   /// library's launcher frames below it are left out); may be empty.
   std::string traceback;
@@ -157,8 +157,8 @@ class Process {
  public:
   /// A process that will run fn(args...). See the start methods above for what fn may be.
   template <class Fn, class... Args>
-  explicit Process(Fn&& fn, Args&&... args) : Process(ProcessOptions{}, std::forward<Fn>(fn),
-                                                      std::forward<Args>(args)...) {}
+  explicit Process(Fn&& fn, Args&&... args)
+      : Process(ProcessOptions{}, std::forward<Fn>(fn), std::forward<Args>(args)...) {}
 
   template <class Fn, class... Args>
   Process(ProcessOptions options, Fn&& fn, Args&&... args) : Process(std::move(options), 0) {
@@ -233,9 +233,9 @@ class Process {
                    ...)) {
       encode = [tup] { return std::apply([](const auto&... a) { return Encode(a...); }, *tup); };
     }
-    SetTargets([fn, tup] { std::apply(fn, *tup); }, reinterpret_cast<const void*>(fn),
-               std::move(encode),
-               [tup] { std::apply([](const auto&... a) { (internal::ShareForFork(a), ...); }, *tup); });
+    SetTargets(
+        [fn, tup] { std::apply(fn, *tup); }, reinterpret_cast<const void*>(fn), std::move(encode),
+        [tup] { std::apply([](const auto&... a) { (internal::ShareForFork(a), ...); }, *tup); });
   }
   template <class R, class... Params, class... Args>
   void Bind(R (&fn)(Params...), Args&&... args) {
@@ -246,8 +246,9 @@ class Process {
   void Bind(F&& f, Args&&... args) {
     auto tup = std::make_shared<std::tuple<std::decay_t<Args>...>>(std::forward<Args>(args)...);
     auto call = [f = std::decay_t<F>(std::forward<F>(f)), tup]() mutable { std::apply(f, *tup); };
-    SetTargets(std::move(call), nullptr, nullptr,
-               [tup] { std::apply([](const auto&... a) { (internal::ShareForFork(a), ...); }, *tup); });
+    SetTargets(std::move(call), nullptr, nullptr, [tup] {
+      std::apply([](const auto&... a) { (internal::ShareForFork(a), ...); }, *tup);
+    });
   }
 
   std::unique_ptr<Impl> impl_;

@@ -2,10 +2,10 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -41,9 +41,9 @@ namespace internal {
 // gets a batch of its own. At most kMaxBatches batches are in flight, and the socket's buffer is
 // raised to hold them where the system allows; a put beyond either limit waits for readers and,
 // past its timeout, says why (Full).
-constexpr int kBatchKeys = 4;       // a batch shared by later messages has at most this many fds
-constexpr int kMaxBatches = 4096;   // batches in flight at once
-constexpr int kKeyWords = 3;        // a descriptor's key: (dev, inode, access mode)
+constexpr int kBatchKeys = 4;      // a batch shared by later messages has at most this many fds
+constexpr int kMaxBatches = 4096;  // batches in flight at once
+constexpr int kKeyWords = 3;       // a descriptor's key: (dev, inode, access mode)
 
 // The shared header at the start of a queue's segment; the ring follows it.
 struct QueueShared {
@@ -52,19 +52,19 @@ struct QueueShared {
   SharedCond not_full;
   SharedCond all_done;
   uint64_t ring_bytes;
-  uint64_t head;        // bytes ever written (committed)
-  uint64_t tail;        // bytes ever read
-  int64_t count;        // messages in the ring; written atomically under the lock (a getter's
-                        // spin reads it without the lock)
-  int64_t maxsize;      // <= 0: unbounded
-  int64_t unfinished;   // JoinableQueue
-  uint64_t next_seq;    // sequence number of the next descriptor batch
-  uint64_t taken_seq;   // highest sequence whose descriptors a reader has taken off the socket
+  uint64_t head;       // bytes ever written (committed)
+  uint64_t tail;       // bytes ever read
+  int64_t count;       // messages in the ring; written atomically under the lock (a getter's
+                       // spin reads it without the lock)
+  int64_t maxsize;     // <= 0: unbounded
+  int64_t unfinished;  // JoinableQueue
+  uint64_t next_seq;   // sequence number of the next descriptor batch
+  uint64_t taken_seq;  // highest sequence whose descriptors a reader has taken off the socket
   uint64_t magic;
   // Descriptor batches shared by consecutive messages (see "Descriptor batches" below).
   uint64_t last_batch;       // sequence of the newest batch sent
   uint32_t last_batch_keys;  // how many (dev, inode, access mode) keys it has; 0: not shareable
-  uint32_t max_item_bytes;    // QueueOptions::max_item_bytes (read clamped: see ItemLimit)
+  uint32_t max_item_bytes;   // QueueOptions::max_item_bytes (read clamped: see ItemLimit)
   uint64_t last_keys[kKeyWords * kBatchKeys];
   uint32_t batch_users[kMaxBatches];  // by sequence % kMaxBatches: committed messages not yet got
 };
@@ -75,8 +75,8 @@ constexpr uint64_t kQueueMagic = 0x6673717565756534ull;  // "fsqueue4"
 
 struct Queue::State {
   internal::SharedSegment seg;
-  FileDescriptor fd_w;  // side socket: descriptors in
-  FileDescriptor fd_r;  // side socket: descriptors out
+  FileDescriptor fd_w;    // side socket: descriptors in
+  FileDescriptor fd_r;    // side socket: descriptors out
   FileDescriptor bell_r;  // doorbell pipe, read end: an empty queue's getters sleep on it
   FileDescriptor bell_w;  // doorbell pipe, write end: a put rings it when getters sleep
   // The ring's size, from this process's own mapping: never re-read from shared memory, which
@@ -413,7 +413,8 @@ Queue::Queue(const QueueOptions& options) : state_(std::make_shared<State>()) {
   }
   state_->carrier = CarrierOf(state_->seg.fd());
   int bell[2];
-  if (pipe2(bell, O_CLOEXEC | O_NONBLOCK) != 0) runtime::ThrowSystemError("pipe2 for a queue", errno);
+  if (pipe2(bell, O_CLOEXEC | O_NONBLOCK) != 0)
+    runtime::ThrowSystemError("pipe2 for a queue", errno);
   state_->bell_r.reset(bell[0]);
   state_->bell_w.reset(bell[1]);
 }
@@ -448,8 +449,8 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
   }
   if (msg.fds.size() > Connection::kMaxDescriptors) {
     throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("Queue::put: a message may carry at most ", Connection::kMaxDescriptors,
-                             " descriptors"));
+                absl::StrCat("Queue::put: a message may carry at most ",
+                             Connection::kMaxDescriptors, " descriptors"));
   }
   const size_t need = internal::RecordSpan(msg.bytes.size());
   std::vector<int> fds;
@@ -462,9 +463,9 @@ void Queue::PutMessage(Message msg, bool block, Timeout timeout) {
     const bool room_by_count = h->maxsize <= 0 || h->count < h->maxsize;
     const bool room_by_bytes = cap - (h->head - h->tail) >= need;
     if (room_by_count && room_by_bytes) {
-      internal::RecordHeader rec{static_cast<uint32_t>(msg.bytes.size()),
-                                 static_cast<uint32_t>(fds.size()) | (spilled ? internal::kSpilled : 0u),
-                                 0};
+      internal::RecordHeader rec{
+          static_cast<uint32_t>(msg.bytes.size()),
+          static_cast<uint32_t>(fds.size()) | (spilled ? internal::kSpilled : 0u), 0};
       if (!fds.empty()) {
         uint32_t& users = h->batch_users[h->last_batch % internal::kMaxBatches];
         if (h->last_batch + 1 == h->next_seq && h->last_batch > h->taken_seq &&
@@ -546,8 +547,9 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
   for (;;) {
     while (h->count == 0) {
       if (deadline.has_value() && internal::Clock::now() >= *deadline) {
-        throw Empty(block ? absl::StrCat("Queue::get: nothing arrived within ", timeout->count(), " s")
-                          : std::string("Queue::get_nowait: the queue is empty"));
+        throw Empty(
+            block ? absl::StrCat("Queue::get: nothing arrived within ", timeout->count(), " s")
+                  : std::string("Queue::get_nowait: the queue is empty"));
       }
       SleepOnBell(h, s.ring(), cap, s.bell_r.get(), deadline);
     }

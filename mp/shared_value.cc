@@ -32,7 +32,7 @@ bool ValidAlignment(size_t align) {
 }  // namespace
 
 ValueBlock ValueBlock::Create(BlockKind kind, size_t elem_size, size_t elem_align, size_t count,
-                                bool lock) {
+                              bool lock) {
   if (!ValidAlignment(elem_align)) {
     throw Error(ErrorCode::kInvalidArgument,
                 absl::StrCat(KindName(kind), ": element alignment ", elem_align,
@@ -64,7 +64,7 @@ ValueBlock ValueBlock::Create(BlockKind kind, size_t elem_size, size_t elem_alig
 }
 
 ValueBlock ValueBlock::Adopt(std::shared_ptr<SharedSegment> segment, BlockKind kind,
-                               size_t elem_size, size_t elem_align) {
+                             size_t elem_size, size_t elem_align) {
   const char* name = KindName(kind);
   auto malformed = [name](const std::string& why) {
     return Error(ErrorCode::kInvalidArgument,
@@ -86,8 +86,8 @@ ValueBlock ValueBlock::Adopt(std::shared_ptr<SharedSegment> segment, BlockKind k
   if (segment->size() < h.data_offset) throw malformed("the segment ends before its data");
   const size_t room = (segment->size() - h.data_offset) / elem_size;
   if (h.count > room || (kind == kValueKind && h.count != 1)) {
-    throw malformed(absl::StrCat("it claims ", h.count, " elements but the segment has room for ",
-                                 room));
+    throw malformed(
+        absl::StrCat("it claims ", h.count, " elements but the segment has room for ", room));
   }
   if (h.has_lock > 1 || (h.has_lock == 1 && h.lock.kind != kLockKind)) {
     throw malformed("its lock is not a valid Lock");
@@ -108,17 +108,17 @@ Lock ValueBlock::MakeLock(const char* what) const {
 
 void ThrowNoLock(const char* what) {
   throw Error(ErrorCode::kFailedPrecondition,
-              absl::StrCat(what, ": this object was created with lock = false and has no lock; "
-                                 "create it with lock = true, or synchronize access yourself"));
+              absl::StrCat(what,
+                           ": this object was created with lock = false and has no lock; "
+                           "create it with lock = true, or synchronize access yourself"));
 }
 
 void ThrowIndex(size_t index, size_t size) {
-  throw Error(ErrorCode::kInvalidArgument,
-              size == 0 ? absl::StrCat("Array.at: index ", index,
-                                       " is out of range: the Array is empty")
-                        : absl::StrCat("Array.at: index ", index,
-                                       " is out of range for an Array of size ", size,
-                                       "; valid indices are 0 to ", size - 1));
+  throw Error(
+      ErrorCode::kInvalidArgument,
+      size == 0 ? absl::StrCat("Array.at: index ", index, " is out of range: the Array is empty")
+                : absl::StrCat("Array.at: index ", index, " is out of range for an Array of size ",
+                               size, "; valid indices are 0 to ", size - 1));
 }
 
 }  // namespace forksafe::mp::internal

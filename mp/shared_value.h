@@ -81,11 +81,11 @@ class ValueBlock {
   /// A new zero-filled block. Throws kInvalidArgument when the size overflows, kResourceExhausted
   /// when it is more than the system can give (checked before the segment is created).
   static ValueBlock Create(BlockKind kind, size_t elem_size, size_t elem_align, size_t count,
-                            bool lock);
+                           bool lock);
   /// Adopts a decoded segment after checking that it holds a block of `kind` whose elements are
   /// `elem_size` bytes aligned to `elem_align`, entirely inside the mapping.
-  static ValueBlock Adopt(std::shared_ptr<SharedSegment> segment, BlockKind kind,
-                           size_t elem_size, size_t elem_align);
+  static ValueBlock Adopt(std::shared_ptr<SharedSegment> segment, BlockKind kind, size_t elem_size,
+                          size_t elem_align);
 
   void* data() const { return data_; }
   size_t count() const { return count_; }
@@ -152,8 +152,7 @@ class Value {
  public:
   /// A new shared value holding `initial`, with a Lock unless `lock` is false.
   explicit Value(T initial = T{}, bool lock = true)
-      : block_(internal::ValueBlock::Create(internal::kValueKind, sizeof(T), alignof(T), 1,
-                                             lock)) {
+      : block_(internal::ValueBlock::Create(internal::kValueKind, sizeof(T), alignof(T), 1, lock)) {
     std::memcpy(block_.data(), &initial, sizeof(T));
     if (lock) lock_ = block_.MakeLock("Value");
   }
@@ -236,8 +235,7 @@ class Array {
   /// n copies of `fill`, with a Lock unless `lock` is false. kInvalidArgument if n * sizeof(T)
   /// overflows; kResourceExhausted, before anything is touched, if the system cannot give it.
   explicit Array(size_t n, const T& fill = T{}, bool lock = true)
-      : block_(internal::ValueBlock::Create(internal::kArrayKind, sizeof(T), alignof(T), n,
-                                             lock)) {
+      : block_(internal::ValueBlock::Create(internal::kArrayKind, sizeof(T), alignof(T), n, lock)) {
     T* p = data();
     for (size_t i = 0; i < n; ++i) std::memcpy(p + i, &fill, sizeof(T));
     if (lock) lock_ = block_.MakeLock("Array");
@@ -245,7 +243,7 @@ class Array {
   /// A copy of `init`, with a Lock unless `lock` is false.
   explicit Array(const std::vector<T>& init, bool lock = true)
       : block_(internal::ValueBlock::Create(internal::kArrayKind, sizeof(T), alignof(T),
-                                             init.size(), lock)) {
+                                            init.size(), lock)) {
     if (!init.empty()) std::memcpy(data(), init.data(), init.size() * sizeof(T));
     if (lock) lock_ = block_.MakeLock("Array");
   }

@@ -166,28 +166,27 @@ std::shared_ptr<SharingContext> DeviceSharing(const device::Storage& s, device::
     // A framework's own memory: a legacy handle, valid only while this process keeps it. Defer
     // the framework's free while receivers hold it, and say that the rule was broken.
     ctx->legacy = true;
-    const std::string what = absl::StrCat("a tensor of ", s.nbytes(), " bytes on ",
-                                          s.device().ToString());
+    const std::string what =
+        absl::StrCat("a tensor of ", s.nbytes(), " bytes on ", s.device().ToString());
     device::WrapStorageRelease(s, [&ctl, &what](std::function<void(void*)> old) {
-      return std::function<void(void*)>(
-        [ctl, old = std::move(old), what](void* data) mutable {
-          if (ctl->shared_count() <= 1) {
-            if (old) old(data);
-            return;
-          }
-          std::fprintf(stderr,
-                       "forksafe: error: %s shared through a legacy IPC handle was released by "
-                       "its producer (pid %d) while %d reference(s) in other processes still use "
-                       "it. Its free is deferred until they let go: keep the producer's tensor "
-                       "alive for as long as receivers use it (memory not allocated by forksafe "
-                       "cannot outlive its producer).\n",
-                       what.c_str(), static_cast<int>(getpid()), ctl->shared_count() - 1);
-          static const bool at_exit = [] { return std::atexit(ReportLegacyAtExit) == 0; }();
-          (void)at_exit;
-          Deferred& d = Defer();
-          MutexLock lk(&d.mu);
-          d.list.push_back(DeferredRelease{ctl, std::move(old), data, what});
-        });
+      return std::function<void(void*)>([ctl, old = std::move(old), what](void* data) mutable {
+        if (ctl->shared_count() <= 1) {
+          if (old) old(data);
+          return;
+        }
+        std::fprintf(stderr,
+                     "forksafe: error: %s shared through a legacy IPC handle was released by "
+                     "its producer (pid %d) while %d reference(s) in other processes still use "
+                     "it. Its free is deferred until they let go: keep the producer's tensor "
+                     "alive for as long as receivers use it (memory not allocated by forksafe "
+                     "cannot outlive its producer).\n",
+                     what.c_str(), static_cast<int>(getpid()), ctl->shared_count() - 1);
+        static const bool at_exit = [] { return std::atexit(ReportLegacyAtExit) == 0; }();
+        (void)at_exit;
+        Deferred& d = Defer();
+        MutexLock lk(&d.mu);
+        d.list.push_back(DeferredRelease{ctl, std::move(old), data, what});
+      });
     });
   }
   s.set_sharing_context(ctx);
@@ -356,8 +355,8 @@ device::Tensor SharedEmpty(const std::vector<int64_t>& shape, device::DType dtyp
   }
   const size_t bytes = static_cast<size_t>(n) * device::DTypeSize(dtype);
   auto block = internal::SharedArena::Get().Allocate(bytes, Kind(), g_cache.load());
-  device::Storage s = device::Storage::FromExternal(device::kCPU, block->data(), bytes,
-                                                    [keep = block](void*) mutable { keep.reset(); });
+  device::Storage s = device::Storage::FromExternal(
+      device::kCPU, block->data(), bytes, [keep = block](void*) mutable { keep.reset(); });
   s.set_sharing_context(std::make_shared<SharingContext>(SharingContext{block}));
   s.set_shared(true);
   Remember(block, s);

@@ -9,8 +9,8 @@
 //     Process/spawn argument or given to / returned from a Pool task moves to shared memory (if it
 //     is not there yet) and crosses as a handle (segment, offset, size, shape, strides), never as
 //     bytes. The header that carries the tensor is enough (mp/codec.h declares the hooks; this
-//     component defines them). The receiver maps the segment once; the same storage sent twice arrives as views of
-//     one storage.
+//     component defines them). The receiver maps the segment once; the same storage sent twice
+//     arrives as views of one storage.
 //
 // Strategies
 //   file_descriptor: segments are anonymous memory files (memfd, mode 0600) passed with

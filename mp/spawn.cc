@@ -18,9 +18,11 @@ using runtime::ErrorCode;
 namespace {
 
 std::string RaisedMessage(int index, pid_t pid, const ChildFailure& f) {
-  std::string out = absl::StrCat("process ", index, " (pid ", pid, ") terminated with the following error:\n",
-                                 f.type, ": ", f.message);
-  if (!f.traceback.empty()) absl::StrAppend(&out, "\nTraceback (most recent call first):\n", f.traceback);
+  std::string out =
+      absl::StrCat("process ", index, " (pid ", pid, ") terminated with the following error:\n",
+                   f.type, ": ", f.message);
+  if (!f.traceback.empty())
+    absl::StrAppend(&out, "\nTraceback (most recent call first):\n", f.traceback);
   return out;
 }
 

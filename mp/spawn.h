@@ -149,8 +149,7 @@ std::unique_ptr<ProcessContext> spawn(Fn fn, std::tuple<Args...> args, SpawnOpti
   for (int i = 0; i < options.nprocs; ++i) {
     ProcessOptions po{"", options.daemon, options.start_method, {}};
     if (options.launch_env) po.env = SpawnChildEnvironment(parent, options.nprocs, i, port);
-    procs.push_back(std::apply(
-        [&](const auto&... a) { return Process(po, fn, i, a...); }, args));
+    procs.push_back(std::apply([&](const auto&... a) { return Process(po, fn, i, a...); }, args));
   }
   auto ctx = std::make_unique<ProcessContext>(std::move(procs), options.grace_period);
   ctx->StartAll();

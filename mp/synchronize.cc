@@ -93,8 +93,6 @@ void ThrowWrongKind(const char* expected) {
 
 // ---- SharedCond ------------------------------------------------------------------------------
 
-
-
 // ---- LockCore -------------------------------------------------------------------------------
 
 void LockCore::InitState(LockState* state, bool recursive) {
@@ -154,8 +152,9 @@ void LockCore::Release(const char* what) const {
   LockState* s = state();
   if (!HeldByCaller()) {
     throw Error(ErrorCode::kFailedPrecondition,
-                absl::StrCat(what, ": the calling thread does not hold this lock; only the thread "
-                                   "that acquired it may release it, once per acquire"));
+                absl::StrCat(what,
+                             ": the calling thread does not hold this lock; only the thread "
+                             "that acquired it may release it, once per acquire"));
   }
   // Clear ownership before unlocking, so the next owner's stores cannot be overwritten.
   if (s->depth.fetch_sub(1, std::memory_order_relaxed) == 1) {
@@ -253,16 +252,15 @@ void Semaphore::release(int n) {
   internal::SemaphoreState* s = internal::Get(state_);
   const char* name = s->bounded ? "BoundedSemaphore.release" : "Semaphore.release";
   if (n < 1) {
-    throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat(name, ": n must be >= 1, got ", n));
+    throw Error(ErrorCode::kInvalidArgument, absl::StrCat(name, ": n must be >= 1, got ", n));
   }
   StateGuard guard(s->mu, std::nullopt);
   const int64_t now = s->value.load(std::memory_order_relaxed);
   if (s->bounded && now + n > s->initial) {
-    throw Error(ErrorCode::kFailedPrecondition,
-                absl::StrCat(name, ": releasing ", n, " would raise the value to ", now + n,
-                             ", above its initial value ", s->initial,
-                             "; release only what was acquired"));
+    throw Error(
+        ErrorCode::kFailedPrecondition,
+        absl::StrCat(name, ": releasing ", n, " would raise the value to ", now + n,
+                     ", above its initial value ", s->initial, "; release only what was acquired"));
   }
   if (now + n > INT_MAX) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -301,8 +299,9 @@ void Condition::release() { lock_.Release("Condition.release"); }
 void Condition::RequireHeld(const char* what) const {
   if (!lock_.HeldByCaller()) {
     throw Error(ErrorCode::kFailedPrecondition,
-                absl::StrCat(what, ": the calling thread must hold the condition's lock; "
-                                   "acquire() it first (or use std::unique_lock)"));
+                absl::StrCat(what,
+                             ": the calling thread must hold the condition's lock; "
+                             "acquire() it first (or use std::unique_lock)"));
   }
 }
 

@@ -97,16 +97,15 @@ enum SharedKind : uint32_t {
 /// The shared state of a Lock or RLock. Always at offset 0 of its segment (a Value or Array
 /// segment starts with one too, so that its lock can be sent on its own).
 struct LockState {
-  uint32_t kind;                ///< kLockKind or kRLockKind.
-  std::atomic<int32_t> owner;   ///< Thread id (gettid) of the holder; 0 when free.
-  std::atomic<int32_t> depth;   ///< Recursion depth of the holder (1 for a Lock).
+  uint32_t kind;               ///< kLockKind or kRLockKind.
+  std::atomic<int32_t> owner;  ///< Thread id (gettid) of the holder; 0 when free.
+  std::atomic<int32_t> depth;  ///< Recursion depth of the holder (1 for a Lock).
   RobustMutex mu;
 };
 
 /// What Lock and RLock share: a handle to a LockState plus this process's owner-died flag.
 class LockCore {
  public:
-
   LockCore() = default;
   /// A new lock in its own segment.
   static LockCore Create(bool recursive);
@@ -154,10 +153,10 @@ struct LockAccess {
 };
 
 struct SemaphoreState {
-  uint32_t kind;                 ///< kSemaphoreKind.
-  int32_t bounded;               ///< 1 for a BoundedSemaphore.
-  int64_t initial;               ///< The bound of a BoundedSemaphore.
-  std::atomic<int64_t> value;    ///< Written under mu; read lock-free by get_value().
+  uint32_t kind;               ///< kSemaphoreKind.
+  int32_t bounded;             ///< 1 for a BoundedSemaphore.
+  int64_t initial;             ///< The bound of a BoundedSemaphore.
+  std::atomic<int64_t> value;  ///< Written under mu; read lock-free by get_value().
   RobustMutex mu;
   SharedCond cond;
 };
@@ -199,7 +198,6 @@ struct BarrierState {
 /// true for it: the next owner learns it, and never hangs.
 class Lock {
  public:
-
   /// A new, unlocked lock.
   Lock();
   /// Copies share the lock. There is no move: a "moved-from" handle is a copy, never empty.
@@ -246,7 +244,6 @@ class Lock {
 /// acquire it again, and must release it as many times. Same API and guarantees as Lock.
 class RLock {
  public:
-
   /// A new, unlocked recursive lock.
   RLock();
   RLock(const RLock&) = default;
@@ -287,7 +284,6 @@ class RLock {
 /// (A process that dies while holding a unit does not give it back, as with any semaphore.)
 class Semaphore {
  public:
-
   /// A semaphore holding `value` units. Throws kInvalidArgument when value < 0.
   explicit Semaphore(int value = 1);
   Semaphore(const Semaphore&) = default;
@@ -350,7 +346,6 @@ class BoundedSemaphore : public Semaphore {
 /// serialized with it. With an RLock, wait() releases every recursion level and restores them.
 class Condition {
  public:
-
   /// A condition over `lock` (a new Lock by default).
   explicit Condition(Lock lock = Lock());
   /// A condition over a recursive lock.
@@ -404,7 +399,6 @@ class Condition {
 /// A flag that processes can wait for (multiprocessing.Event).
 class Event {
  public:
-
   /// A new, cleared event.
   Event();
   Event(const Event&) = default;
@@ -449,7 +443,6 @@ class Event {
 /// reset() repairs it; parties still waiting in the cycle it ends throw kFailedPrecondition.
 class Barrier {
  public:
-
   /// A barrier for `parties` (>= 1) processes. `action`, if given, runs once per cycle in the
   /// process that arrives last, before anyone is released. `timeout` is the default for wait().
   /// Throws kInvalidArgument for parties < 1 or a negative timeout.

@@ -6,10 +6,10 @@
 // Python callables run on forksafe's threads with the GIL taken for them. Loading it makes the
 // GIL the framework lock (python/gil_lock.h) and registers forksafe's at-fork handlers (the
 // OpenMP one among them) for every fork of the process.
+#include <errno.h>
 #include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <errno.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -48,10 +48,12 @@ using runtime::ErrorCode;
 py::dict* g_error_classes = nullptr;
 
 constexpr ErrorCode kAllCodes[] = {
-    ErrorCode::kInvalidArgument,  ErrorCode::kNotFound,          ErrorCode::kAlreadyExists,
-    ErrorCode::kFailedPrecondition, ErrorCode::kForkPoisoned,    ErrorCode::kUnavailable,
-    ErrorCode::kResourceExhausted, ErrorCode::kDeadlineExceeded, ErrorCode::kCancelled,
-    ErrorCode::kClosed,           ErrorCode::kOwnerDied,         ErrorCode::kProcessFailed,
+    ErrorCode::kInvalidArgument,   ErrorCode::kNotFound,
+    ErrorCode::kAlreadyExists,     ErrorCode::kFailedPrecondition,
+    ErrorCode::kForkPoisoned,      ErrorCode::kUnavailable,
+    ErrorCode::kResourceExhausted, ErrorCode::kDeadlineExceeded,
+    ErrorCode::kCancelled,         ErrorCode::kClosed,
+    ErrorCode::kOwnerDied,         ErrorCode::kProcessFailed,
     ErrorCode::kInternal,
 };
 
@@ -69,8 +71,8 @@ struct Outcome {
   // Set under mu, read without it too (in a forked child `mu` may be a copy held by a thread
   // that does not exist there).
   std::atomic<bool> done{false};
-  py::object value;                     // touched with the GIL held only
-  py::object error;                     // the exception instance, if the call raised
+  py::object value;  // touched with the GIL held only
+  py::object error;  // the exception instance, if the call raised
 };
 
 template <typename T>
@@ -258,8 +260,7 @@ class PyThreadPool {
 // For the test hooks: waits for child `pid` at most `timeout` seconds. Its exit status (128 +
 // the signal for a signal), or -1 after killing it when it outlived the timeout.
 int WaitBounded(pid_t pid, double timeout) {
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout);
   int status = 0;
   for (;;) {
     const pid_t done = waitpid(pid, &status, WNOHANG);
@@ -336,8 +337,9 @@ PYBIND11_MODULE(_forksafe, m) {
     }
   });
 
-  m.def("version", [] { return std::string(forksafe::Version()); },
-        "The version of the libforksafe.so this module runs on.");
+  m.def(
+      "version", [] { return std::string(forksafe::Version()); },
+      "The version of the libforksafe.so this module runs on.");
   m.def("error_code_names", [] {
     std::vector<std::string> names;
     for (runtime::ErrorCode c : kAllCodes) names.emplace_back(runtime::ErrorCodeName(c));
@@ -369,11 +371,13 @@ PYBIND11_MODULE(_forksafe, m) {
     }
     return ReportDict(r);
   });
-  m.def("fork_count", [] { return runtime::AtForkRegistry::Get().fork_count(); }, ReleaseGil());
-  m.def("handler_names", [] { return runtime::AtForkRegistry::Get().HandlerNames(); },
-        ReleaseGil());
+  m.def(
+      "fork_count", [] { return runtime::AtForkRegistry::Get().fork_count(); }, ReleaseGil());
+  m.def(
+      "handler_names", [] { return runtime::AtForkRegistry::Get().HandlerNames(); }, ReleaseGil());
   m.def("fork_generation", [] { return runtime::ForkGeneration(); });
-  m.def("openmp_usable", [] { return runtime::OpenMpUsableInThisProcess(); }, ReleaseGil());
+  m.def(
+      "openmp_usable", [] { return runtime::OpenMpUsableInThisProcess(); }, ReleaseGil());
   m.def("install_openmp_fork_handler", [] {
     py::gil_scoped_release nogil;
     runtime::InstallOpenMpForkHandler();
@@ -382,10 +386,12 @@ PYBIND11_MODULE(_forksafe, m) {
     py::gil_scoped_release nogil;
     runtime::OrderForkHandlersAfterOpenMp();
   });
-  m.def("default_thread_count", [] { return runtime::DefaultThreadCount(); }, ReleaseGil());
+  m.def(
+      "default_thread_count", [] { return runtime::DefaultThreadCount(); }, ReleaseGil());
 
   // Devices: the default device (the child of a fork gets "cpu").
-  m.def("default_device", [] { return device::DefaultDevice().ToString(); }, ReleaseGil());
+  m.def(
+      "default_device", [] { return device::DefaultDevice().ToString(); }, ReleaseGil());
   m.def(
       "set_default_device",
       [](const std::string& text) { device::SetDefaultDevice(device::ParseDevice(text)); },
@@ -471,20 +477,21 @@ PYBIND11_MODULE(_forksafe, m) {
                  static_cast<int64_t>(std::min(drain_deadline, 86400.0) * 1000));
              return new PyThreadPool(o);
            }),
-           py::arg("num_threads") = 0, py::arg("name") = "python",
-           py::arg("drain_deadline") = 2.0)
+           py::arg("num_threads") = 0, py::arg("name") = "python", py::arg("drain_deadline") = 2.0)
       .def("submit", &PyThreadPool::Submit, py::arg("fn"))
       .def("wait", &PyThreadPool::Wait)
       .def("close", &PyThreadPool::Close)
       .def_property_readonly("closed", &PyThreadPool::closed)
-      .def_property_readonly("num_threads",
-                             [](const PyThreadPool& p) {
-                               return p.Apply([](runtime::ThreadPool& t) { return t.num_threads(); });
-                             })
-      .def_property_readonly("live_workers",
-                             [](const PyThreadPool& p) {
-                               return p.Apply([](runtime::ThreadPool& t) { return t.live_workers(); });
-                             })
+      .def_property_readonly(
+          "num_threads",
+          [](const PyThreadPool& p) {
+            return p.Apply([](runtime::ThreadPool& t) { return t.num_threads(); });
+          })
+      .def_property_readonly(
+          "live_workers",
+          [](const PyThreadPool& p) {
+            return p.Apply([](runtime::ThreadPool& t) { return t.live_workers(); });
+          })
       .def_property_readonly("name",
                              [](const PyThreadPool& p) {
                                return p.Apply([](runtime::ThreadPool& t) { return t.name(); });

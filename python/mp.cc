@@ -295,7 +295,8 @@ std::function<void()> HoldCallable(py::object fn) {
 }  // namespace
 
 void BindMp(py::module_& parent) {
-  py::module_ m = parent.def_submodule("mp", "forksafe's C++ mp layer (use forksafe.multiprocessing)");
+  py::module_ m =
+      parent.def_submodule("mp", "forksafe's C++ mp layer (use forksafe.multiprocessing)");
 
   // ---- Queue --------------------------------------------------------------------------------
   py::class_<PyQueue> queue(m, "Queue");
@@ -310,11 +311,13 @@ void BindMp(py::module_& parent) {
       .def("empty", [](const PyQueue& q) { return q.queue().empty(); })
       .def("full", [](const PyQueue& q) { return q.queue().full(); })
       .def_property_readonly("maxsize", [](const PyQueue& q) { return q.queue().maxsize(); })
-      .def("close", [](PyQueue& q) { q.queue().close(); }, ReleaseGil())
-      .def("task_done", [](PyQueue& q) { q.queue().task_done(); }, ReleaseGil())
-      .def("join",
-           [](PyQueue& q, Seconds timeout) { return q.queue().join(ToTimeout(timeout)); },
-           py::arg("timeout") = py::none(), ReleaseGil());
+      .def(
+          "close", [](PyQueue& q) { q.queue().close(); }, ReleaseGil())
+      .def(
+          "task_done", [](PyQueue& q) { q.queue().task_done(); }, ReleaseGil())
+      .def(
+          "join", [](PyQueue& q, Seconds timeout) { return q.queue().join(ToTimeout(timeout)); },
+          py::arg("timeout") = py::none(), ReleaseGil());
   AddCodec(queue);
 
   // ---- Connection and Pipe ------------------------------------------------------------------
@@ -322,9 +325,9 @@ void BindMp(py::module_& parent) {
   conn.def("send", &PyConnection::Send, py::arg("pickle"), py::arg("tensors"), py::arg("fds"),
            ReleaseGil())
       .def("recv", &PyConnection::Recv, py::arg("timeout") = py::none())
-      .def("send_bytes",
-           [](PyConnection& c, const std::string& data) { c.conn().send_bytes(data); },
-           ReleaseGil())
+      .def(
+          "send_bytes", [](PyConnection& c, const std::string& data) { c.conn().send_bytes(data); },
+          ReleaseGil())
       .def("recv_bytes",
            [](PyConnection& c) {
              std::string data;
@@ -334,8 +337,9 @@ void BindMp(py::module_& parent) {
              }
              return py::bytes(data);
            })
-      .def("poll", [](const PyConnection& c, Seconds t) { return c.conn().poll(ToTimeout(t)); },
-           py::arg("timeout") = 0.0, ReleaseGil())
+      .def(
+          "poll", [](const PyConnection& c, Seconds t) { return c.conn().poll(ToTimeout(t)); },
+          py::arg("timeout") = 0.0, ReleaseGil())
       .def("close", [](PyConnection& c) { c.conn().close(); })
       .def_property_readonly("closed", [](const PyConnection& c) { return c.conn().closed(); })
       .def_property_readonly("readable", [](const PyConnection& c) { return c.conn().readable(); })
@@ -354,25 +358,27 @@ void BindMp(py::module_& parent) {
   // ---- Locks and the other primitives ---------------------------------------------------------
   py::class_<mp::Lock> lock(m, "Lock");
   lock.def(py::init<>())
-      .def("acquire", [](mp::Lock& l, bool b, Seconds t) { return l.acquire(b, ToTimeout(t)); },
-           py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+      .def(
+          "acquire", [](mp::Lock& l, bool b, Seconds t) { return l.acquire(b, ToTimeout(t)); },
+          py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
       .def("release", &mp::Lock::release)
       .def("previous_owner_died", &mp::Lock::previous_owner_died);
   AddCodec(lock);
 
   py::class_<mp::RLock> rlock(m, "RLock");
   rlock.def(py::init<>())
-      .def("acquire", [](mp::RLock& l, bool b, Seconds t) { return l.acquire(b, ToTimeout(t)); },
-           py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+      .def(
+          "acquire", [](mp::RLock& l, bool b, Seconds t) { return l.acquire(b, ToTimeout(t)); },
+          py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
       .def("release", &mp::RLock::release)
       .def("previous_owner_died", &mp::RLock::previous_owner_died);
   AddCodec(rlock);
 
   py::class_<mp::Semaphore> sem(m, "Semaphore");
   sem.def(py::init<int>(), py::arg("value") = 1)
-      .def("acquire",
-           [](mp::Semaphore& s, bool b, Seconds t) { return s.acquire(b, ToTimeout(t)); },
-           py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+      .def(
+          "acquire", [](mp::Semaphore& s, bool b, Seconds t) { return s.acquire(b, ToTimeout(t)); },
+          py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
       .def("release", &mp::Semaphore::release, py::arg("n") = 1)
       .def("get_value", &mp::Semaphore::get_value);
   AddCodec(sem);
@@ -384,12 +390,13 @@ void BindMp(py::module_& parent) {
   py::class_<mp::Condition> cond(m, "Condition");
   cond.def(py::init<mp::Lock>(), py::arg("lock"))
       .def(py::init<mp::RLock>(), py::arg("lock"))
-      .def("acquire",
-           [](mp::Condition& c, bool b, Seconds t) { return c.acquire(b, ToTimeout(t)); },
-           py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+      .def(
+          "acquire", [](mp::Condition& c, bool b, Seconds t) { return c.acquire(b, ToTimeout(t)); },
+          py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
       .def("release", &mp::Condition::release)
-      .def("wait", [](mp::Condition& c, Seconds t) { return c.wait(ToTimeout(t)); },
-           py::arg("timeout") = py::none(), ReleaseGil())
+      .def(
+          "wait", [](mp::Condition& c, Seconds t) { return c.wait(ToTimeout(t)); },
+          py::arg("timeout") = py::none(), ReleaseGil())
       .def("notify", &mp::Condition::notify, py::arg("n") = 1)
       .def("notify_all", &mp::Condition::notify_all);
   AddCodec(cond);
@@ -399,8 +406,9 @@ void BindMp(py::module_& parent) {
       .def("is_set", &mp::Event::is_set)
       .def("set", &mp::Event::set, ReleaseGil())
       .def("clear", &mp::Event::clear, ReleaseGil())
-      .def("wait", [](mp::Event& e, Seconds t) { return e.wait(ToTimeout(t)); },
-           py::arg("timeout") = py::none(), ReleaseGil());
+      .def(
+          "wait", [](mp::Event& e, Seconds t) { return e.wait(ToTimeout(t)); },
+          py::arg("timeout") = py::none(), ReleaseGil());
   AddCodec(event);
 
   py::class_<mp::Barrier> barrier(m, "Barrier");
@@ -409,8 +417,9 @@ void BindMp(py::module_& parent) {
              return mp::Barrier(parties, HoldCallable(std::move(action)), ToTimeout(timeout));
            }),
            py::arg("parties"), py::arg("action") = py::none(), py::arg("timeout") = py::none())
-      .def("wait", [](mp::Barrier& b, Seconds t) { return b.wait(ToTimeout(t)); },
-           py::arg("timeout") = py::none(), ReleaseGil())
+      .def(
+          "wait", [](mp::Barrier& b, Seconds t) { return b.wait(ToTimeout(t)); },
+          py::arg("timeout") = py::none(), ReleaseGil())
       .def("reset", &mp::Barrier::reset, ReleaseGil())
       .def("abort", &mp::Barrier::abort, ReleaseGil())
       .def_property_readonly("parties", &mp::Barrier::parties)
@@ -440,7 +449,8 @@ void BindMp(py::module_& parent) {
   // ---- Tensors and the sharing strategies ----------------------------------------------------
   m.def("encode_tensor", [](const Tensor& t) { return EncodeObject(t); });
   m.def("decode_tensor", &DecodeObject<Tensor>, py::arg("data"), py::arg("fds"));
-  m.def("share_memory_", [](Tensor& t) { return mp::share_memory_(t); }, ReleaseGil());
+  m.def(
+      "share_memory_", [](Tensor& t) { return mp::share_memory_(t); }, ReleaseGil());
   m.def(
       "shared_empty",
       [](const std::vector<int64_t>& shape, const std::string& dtype) {
@@ -469,8 +479,8 @@ void BindMp(py::module_& parent) {
       "spawn_child_environment",
       [](int nprocs, int index, int master_port) {
         py::dict env;
-        for (auto& [k, v] : mp::SpawnChildEnvironment(mp::GetLaunchInfo(), nprocs, index,
-                                                      master_port)) {
+        for (auto& [k, v] :
+             mp::SpawnChildEnvironment(mp::GetLaunchInfo(), nprocs, index, master_port)) {
           env[py::str(k)] = py::str(v);
         }
         return env;

@@ -31,7 +31,6 @@ constexpr DType kAllDTypes[] = {DType::kFloat32, DType::kFloat64, DType::kInt32,
                                 DType::kInt64,   DType::kUInt8,   DType::kBool,
                                 DType::kFloat16, DType::kBFloat16};
 
-
 // The struct-module format of a dtype for the buffer protocol; bfloat16 has none.
 const char* BufferFormat(DType d) {
   switch (d) {
@@ -69,8 +68,7 @@ Tensor AdoptCapsule(py::handle capsule) {
                 "forksafe.Tensor) or an unconsumed \"dltensor\" capsule; a capsule can be "
                 "consumed once");
   }
-  auto* managed =
-      static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
   // The producer's deleter may touch Python objects without taking the GIL (numpy 1.24's
   // decrefs the array), and the last forksafe tensor over the memory may go on any thread: call
   // it through a wrapper that takes the GIL. The wrapper's dl_tensor is a copy whose shape and
@@ -120,12 +118,13 @@ Tensor Create(const char* what, py::object shape, const std::string& dtype,
   py::gil_scoped_release nogil;
   if (fill.has_value()) return Tensor::Full(dims, *fill, d, dev);
   return std::string(what) == "Tensor.zeros" ? Tensor::Zeros(dims, d, dev)
-                                              : Tensor::Empty(dims, d, dev);
+                                             : Tensor::Empty(dims, d, dev);
 }
 
 // pybind11 2.10 calls def_buffer's function from the type's bf_getbuffer without catching what
-// it throws, and the exception would cross CPython's C frames (memoryview(), numpy): std::terminate.
-// The type's bf_getbuffer is this wrapper, which turns forksafe's errors into Python's.
+// it throws, and the exception would cross CPython's C frames (memoryview(), numpy):
+// std::terminate. The type's bf_getbuffer is this wrapper, which turns forksafe's errors into
+// Python's.
 getbufferproc g_pybind_getbuffer = nullptr;
 
 int GuardedGetBuffer(PyObject* obj, Py_buffer* view, int flags) {
@@ -154,19 +153,17 @@ DType ParseDType(const std::string& name) {
   }
   std::string known;
   for (DType d : kAllDTypes) known += std::string(known.empty() ? "" : ", ") + device::DTypeName(d);
-  throw Error(ErrorCode::kInvalidArgument,
-              "unknown dtype \"" + name + "\"; use one of " + known);
+  throw Error(ErrorCode::kInvalidArgument, "unknown dtype \"" + name + "\"; use one of " + known);
 }
 
 void BindTensor(py::module_& m) {
   py::class_<Tensor> cls(m, "Tensor", py::buffer_protocol());
-  cls
-      .def_static(
-          "empty",
-          [](py::object shape, const std::string& dtype, const std::string& device) {
-            return Create("Tensor.empty", shape, dtype, device, std::nullopt);
-          },
-          py::arg("shape"), py::arg("dtype") = "float32", py::arg("device") = "cpu")
+  cls.def_static(
+         "empty",
+         [](py::object shape, const std::string& dtype, const std::string& device) {
+           return Create("Tensor.empty", shape, dtype, device, std::nullopt);
+         },
+         py::arg("shape"), py::arg("dtype") = "float32", py::arg("device") = "cpu")
       .def_static(
           "zeros",
           [](py::object shape, const std::string& dtype, const std::string& device) {
@@ -175,16 +172,15 @@ void BindTensor(py::module_& m) {
           py::arg("shape"), py::arg("dtype") = "float32", py::arg("device") = "cpu")
       .def_static(
           "full",
-          [](py::object shape, double value, const std::string& dtype,
-             const std::string& device) {
+          [](py::object shape, double value, const std::string& dtype, const std::string& device) {
             return Create("Tensor.full", shape, dtype, device, value);
           },
           py::arg("shape"), py::arg("value"), py::arg("dtype") = "float32",
           py::arg("device") = "cpu")
       .def_property_readonly("shape", [](const Tensor& t) { return ToTuple(t.shape()); })
       .def_property_readonly("strides", [](const Tensor& t) { return ToTuple(t.strides()); })
-      .def_property_readonly("dtype",
-                             [](const Tensor& t) { return std::string(device::DTypeName(t.dtype())); })
+      .def_property_readonly(
+          "dtype", [](const Tensor& t) { return std::string(device::DTypeName(t.dtype())); })
       .def_property_readonly("device", [](const Tensor& t) { return t.device().ToString(); })
       .def_property_readonly("ndim", &Tensor::dim)
       .def_property_readonly("nbytes", &Tensor::nbytes)

@@ -30,7 +30,7 @@ namespace {
 thread_local bool t_in_handler = false;
 thread_local bool t_rolling_back = false;  // parent callbacks run to undo a prepare
 std::atomic<uint64_t> g_fork_generation{0};
-std::atomic<bool> g_bypass{false};  // see runtime/internal/at_fork_bypass.h
+std::atomic<bool> g_bypass{false};            // see runtime/internal/at_fork_bypass.h
 std::atomic<void (*)()> g_entering{nullptr};  // see runtime/internal/fork_entry.h
 std::atomic<void (*)()> g_entered{nullptr};
 
@@ -184,9 +184,10 @@ std::string AtForkRegistry::PrimaryObject() const {
 void AtForkRegistry::CheckNotInHandler(const char* what) const {
   if (t_in_handler) {
     throw Error(ErrorCode::kFailedPrecondition,
-                absl::StrCat(what, " was called from inside an at-fork handler, while the registry "
-                                   "is locked for a fork; register or unregister handlers before "
-                                   "or after fork(), never from a prepare/parent/child callback"));
+                absl::StrCat(what,
+                             " was called from inside an at-fork handler, while the registry "
+                             "is locked for a fork; register or unregister handlers before "
+                             "or after fork(), never from a prepare/parent/child callback"));
   }
 }
 
@@ -404,8 +405,8 @@ bool AtForkRegistry::PrepareRound(PrepareAttempt attempt, Clock::time_point cap,
     if (e.retired) continue;  // never called again (AtForkRegistration)
     bool ok = true;
     if (e.handler.prepare) {
-      attempt.wait_until = attempt.last ? attempt.deadline
-                                        : std::min(cap, Clock::now() + options_.attempt_wait);
+      attempt.wait_until =
+          attempt.last ? attempt.deadline : std::min(cap, Clock::now() + options_.attempt_wait);
       try {
         ok = e.handler.prepare(attempt);
       } catch (const std::exception& ex) {
@@ -544,7 +545,7 @@ void AtForkRegistry::Child() noexcept {
                                   return e.on_owner_stack && !pthread_equal(e.owner, self);
                                 }),
                  entries_.end());
-  fork_count_ = 0;  // the child has made no fork of its own yet
+  fork_count_ = 0;              // the child has made no fork of its own yet
   last_ = std::move(current_);  // no allocation: cannot throw
   t_in_handler = false;
   forking_ = false;
@@ -608,9 +609,9 @@ void AtForkRegistry::RetireInsideFork(const void* handle) noexcept {
 
 // Removes retired entries; mu_ held, no callback running.
 void AtForkRegistry::DropRetired() noexcept {
-  entries_.erase(std::remove_if(entries_.begin(), entries_.end(),
-                                [](const Entry& e) { return e.retired; }),
-                 entries_.end());
+  entries_.erase(
+      std::remove_if(entries_.begin(), entries_.end(), [](const Entry& e) { return e.retired; }),
+      entries_.end());
 }
 
 DefaultFrameworkLock& internal_default_framework_lock() {
@@ -682,8 +683,8 @@ bool LockForFork(std::mutex& mu, const PrepareAttempt& attempt) {
 
 // Takes the mutex underneath, which the analysis does not see: the annotation on the declaration
 // tells callers that true means held.
-bool LockForFork(internal::Mutex& mu, const PrepareAttempt& attempt)
-    FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
+bool LockForFork(internal::Mutex& mu,
+                 const PrepareAttempt& attempt) FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   return LockNativeForFork(mu.native(), attempt);
 }
 

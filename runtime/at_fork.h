@@ -166,8 +166,8 @@ struct AtForkHandler {
 /// What can go wrong during a fork without stopping it.
 /// The values are fixed: copies of forksafe in one process pass them to each other.
 enum class ForkEventKind {
-  kPrepareRetried = 0,         ///< A prepare said "not yet"; the registry rolled back and retried.
-  kPrepareGaveUp = 1,          ///< A prepare still refused on the last attempt; the fork went ahead.
+  kPrepareRetried = 0,  ///< A prepare said "not yet"; the registry rolled back and retried.
+  kPrepareGaveUp = 1,   ///< A prepare still refused on the last attempt; the fork went ahead.
   kDrainDeadlineExceeded = 2,  ///< A pool had tasks still running when its drain deadline passed.
   kFrameworkLockTimeout = 3,   ///< The framework lock could not be taken in time.
   kSubsystemUnusable = 4,      ///< A subsystem is unusable in the child until rebuilt.
@@ -197,9 +197,9 @@ struct ForkReport {
 
 /// Tunables of the registry.
 struct AtForkOptions {
-  int max_prepare_attempts = 8;                       ///< >= 1.
-  std::chrono::microseconds initial_backoff{100};     ///< First sleep after a roll-back.
-  std::chrono::microseconds max_backoff{20000};       ///< Cap of the doubling back-off.
+  int max_prepare_attempts = 8;                    ///< >= 1.
+  std::chrono::microseconds initial_backoff{100};  ///< First sleep after a roll-back.
+  std::chrono::microseconds max_backoff{20000};    ///< Cap of the doubling back-off.
   std::chrono::milliseconds framework_lock_timeout{2000};
   /// No prepare round starts after the fork's start + this; the round that starts past it is the
   /// last, and handlers that wait (LockForFork) wait at most until it.
@@ -310,7 +310,8 @@ class alignas(1024) AtForkRegistry {
   // fork_done_ as std::condition_variable: the registry still fits its page.
   mutable internal::Mutex mu_;
   internal::CondVar fork_done_;  // a fork's parent phase ended (forking_ went false)
-  bool forking_ FORKSAFE_GUARDED_BY(mu_) = false;  // a fork is between its prepare and parent phases
+  bool forking_ FORKSAFE_GUARDED_BY(mu_) =
+      false;  // a fork is between its prepare and parent phases
   std::vector<Entry> entries_ FORKSAFE_GUARDED_BY(mu_);
   AtForkOptions options_ FORKSAFE_GUARDED_BY(mu_);
   ForkReport current_ FORKSAFE_GUARDED_BY(mu_);

@@ -57,9 +57,8 @@ int ParseThreadCountValue(const char* value, bool list) {
   size_t start = 0;
   for (;;) {
     const size_t comma = list ? text.find(',', start) : std::string_view::npos;
-    const int n = ParseCount(text.substr(start, comma == std::string_view::npos
-                                                    ? std::string_view::npos
-                                                    : comma - start));
+    const int n = ParseCount(text.substr(
+        start, comma == std::string_view::npos ? std::string_view::npos : comma - start));
     if (n == 0) return -1;
     if (first == 0) first = n;
     if (comma == std::string_view::npos) return first;
@@ -146,11 +145,11 @@ CpuBudget ComputeCpuBudget(const CpuBudgetInputs& in) {
     }
   }
   if (omp < 0) {
-    b.warning = absl::StrCat(
-        "forksafe: ignoring ", kOmpNumThreadsEnv, "=\"", in.omp_num_threads,
-        "\": it is not a thread count (it must be ", OverrideForm(true),
-        "); forksafe's default pools use ", b.ToString(), " instead. Fix ", kOmpNumThreadsEnv,
-        ", or set ", kForksafeNumThreadsEnv, " to size forksafe's pools without it");
+    b.warning = absl::StrCat("forksafe: ignoring ", kOmpNumThreadsEnv, "=\"", in.omp_num_threads,
+                             "\": it is not a thread count (it must be ", OverrideForm(true),
+                             "); forksafe's default pools use ", b.ToString(), " instead. Fix ",
+                             kOmpNumThreadsEnv, ", or set ", kForksafeNumThreadsEnv,
+                             " to size forksafe's pools without it");
   }
   return b;
 }
@@ -159,31 +158,24 @@ CpuBudget ComputeCpuBudget(const CpuBudgetInputs& in) {
 
 const char* CpuBudgetSourceName(CpuBudgetSource source) {
   switch (source) {
-    case CpuBudgetSource::kForksafeNumThreads:
-      return "FORKSAFE_NUM_THREADS";
-    case CpuBudgetSource::kOmpNumThreads:
-      return "OMP_NUM_THREADS";
-    case CpuBudgetSource::kCgroupQuota:
-      return "cgroup_quota";
-    case CpuBudgetSource::kAffinity:
-      return "affinity";
-    case CpuBudgetSource::kHardware:
-      return "hardware";
-    case CpuBudgetSource::kLauncherShare:
-      return "launcher_share";
+    case CpuBudgetSource::kForksafeNumThreads: return "FORKSAFE_NUM_THREADS";
+    case CpuBudgetSource::kOmpNumThreads: return "OMP_NUM_THREADS";
+    case CpuBudgetSource::kCgroupQuota: return "cgroup_quota";
+    case CpuBudgetSource::kAffinity: return "affinity";
+    case CpuBudgetSource::kHardware: return "hardware";
+    case CpuBudgetSource::kLauncherShare: return "launcher_share";
   }
   return "unknown";
 }
 
 std::string CpuBudget::ToString() const {
-  return absl::StrCat(cpus, cpus == 1 ? " CPU (" : " CPUs (", CpuBudgetSourceName(source),
-                      "; mask ", affinity_cpus > 0 ? std::to_string(affinity_cpus) : "unknown",
-                      ", cgroup quota ",
-                      quota_cpus > 0 ? absl::StrCat(quota_cpus, " from ", quota_file) : "none",
-                      ", machine ", hardware_cpus > 0 ? std::to_string(hardware_cpus) : "unknown",
-                      ranks_on_node > 1 ? absl::StrCat(", ", ranks_on_node, " ranks on the node")
-                                        : std::string(),
-                      ")");
+  return absl::StrCat(
+      cpus, cpus == 1 ? " CPU (" : " CPUs (", CpuBudgetSourceName(source), "; mask ",
+      affinity_cpus > 0 ? std::to_string(affinity_cpus) : "unknown", ", cgroup quota ",
+      quota_cpus > 0 ? absl::StrCat(quota_cpus, " from ", quota_file) : "none", ", machine ",
+      hardware_cpus > 0 ? std::to_string(hardware_cpus) : "unknown",
+      ranks_on_node > 1 ? absl::StrCat(", ", ranks_on_node, " ranks on the node") : std::string(),
+      ")");
 }
 
 CpuBudget GetCpuBudget() {

@@ -32,8 +32,7 @@ void ThrowSystemError(const std::string& what, int err) {
   char buf[256];
   // GNU strerror_r may return a static string instead of filling buf.
   const char* text = strerror_r(err, buf, sizeof(buf));
-  throw Error(ErrorCode::kInternal,
-              what + ": " + text + " (errno " + std::to_string(err) + ")");
+  throw Error(ErrorCode::kInternal, what + ": " + text + " (errno " + std::to_string(err) + ")");
 }
 
 }  // namespace forksafe::runtime

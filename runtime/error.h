@@ -44,7 +44,8 @@ enum class ErrorCode {
   kInvalidArgument,     ///< A parameter is out of range or malformed.
   kNotFound,            ///< A named or handled thing does not exist.
   kAlreadyExists,       ///< Registering something twice.
-  kFailedPrecondition,  ///< The call is not allowed in the current state (e.g. inside a fork handler).
+  kFailedPrecondition,  ///< The call is not allowed in the current state (e.g. inside a fork
+                        ///< handler).
   kForkPoisoned,        ///< A subsystem initialized in the parent was used in a forked child.
   kUnavailable,         ///< A backend, device or facility is absent on this machine.
   kResourceExhausted,   ///< Out of memory, descriptors, threads, processes, /dev/shm, a size limit.

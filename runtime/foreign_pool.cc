@@ -68,7 +68,7 @@ ForeignPoolGuard::ForeignPoolGuard(ForeignPoolCallbacks callbacks)
     : core_(std::make_shared<Core>(std::move(callbacks))),
       handler_name_("foreign_pool:" + core_->callbacks.name) {
   const ForeignPoolCallbacks& c = core_->callbacks;
-  const char* missing = c.name.empty()       ? "a name"
+  const char* missing = c.name.empty()        ? "a name"
                         : !c.park             ? "a park callback"
                         : !c.rebuild_in_child ? "a rebuild_in_child callback"
                                               : nullptr;

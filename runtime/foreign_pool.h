@@ -86,11 +86,11 @@ struct ForeignPoolCallbacks {
 
 /// What the callbacks did, in this process.
 struct ForeignPoolStats {
-  uint64_t parked = 0;        ///< park said yes (counted per attempt).
-  uint64_t refused = 0;       ///< park said "not yet" (or threw).
-  uint64_t resumed = 0;       ///< resume ran (after a fork, or on a roll-back).
-  uint64_t gave_up = 0;       ///< Forks that went ahead without the pool parked.
-  uint64_t rebuilt = 0;       ///< rebuild_in_child ran (here or in the processes forked before).
+  uint64_t parked = 0;   ///< park said yes (counted per attempt).
+  uint64_t refused = 0;  ///< park said "not yet" (or threw).
+  uint64_t resumed = 0;  ///< resume ran (after a fork, or on a roll-back).
+  uint64_t gave_up = 0;  ///< Forks that went ahead without the pool parked.
+  uint64_t rebuilt = 0;  ///< rebuild_in_child ran (here or in the processes forked before).
 };
 
 /// Registers a foreign pool's callbacks for as long as it lives (see the banner).

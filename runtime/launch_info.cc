@@ -25,9 +25,9 @@ const char* LauncherName(Launcher launcher) {
 }
 
 std::string LaunchInfo::ToString() const {
-  std::string s = absl::StrCat("rank ", rank, " of ", world_size, " (local ", local_rank, " of ",
-                               local_world_size, ", node ", node_rank, "; ",
-                               LauncherName(launcher));
+  std::string s =
+      absl::StrCat("rank ", rank, " of ", world_size, " (local ", local_rank, " of ",
+                   local_world_size, ", node ", node_rank, "; ", LauncherName(launcher));
   if (!master_addr.empty()) absl::StrAppend(&s, "; rendezvous ", master_addr, ":", master_port);
   return s + ")";
 }
@@ -68,7 +68,8 @@ int Number(const GetEnv& getenv, const char* name, int fallback) {
   const std::optional<std::string_view> v = Value(getenv, name);
   if (!v) return fallback;
   const int n = ParseWhole(*v);
-  if (n < 0) Bad(absl::StrCat(name, "=\"", std::string(*v), "\" is not a whole number (digits only)"));
+  if (n < 0)
+    Bad(absl::StrCat(name, "=\"", std::string(*v), "\" is not a whole number (digits only)"));
   return n;
 }
 
@@ -126,7 +127,7 @@ bool ReadTorch(const GetEnv& getenv, LaunchInfo& info) {
   // RANK and WORLD_SIZE another launcher's variables may still answer.
   if (!Pair(getenv, "RANK", "WORLD_SIZE", "torchrun")) return false;
   const std::optional<std::string_view> tag = Value(getenv, "FORKSAFE_LAUNCHER");
-  info.launcher = tag && *tag == "spawn"          ? Launcher::kSpawn
+  info.launcher = tag && *tag == "spawn"               ? Launcher::kSpawn
                   : Has(getenv, "TORCHELASTIC_RUN_ID") ? Launcher::kTorchrun
                                                        : Launcher::kEnv;
   info.rank = Number(getenv, "RANK", 0);
@@ -161,7 +162,8 @@ bool ReadMpi(const GetEnv& getenv, LaunchInfo& info, Launcher launcher, const Na
     // srun --mpi=pmi2 sets PMI_RANK and PMI_SIZE but no local ranks: the Slurm step (the same
     // rank and world) knows them.
     LaunchInfo slurm;
-    if (ReadSlurm(getenv, slurm) && slurm.rank == info.rank && slurm.world_size == info.world_size) {
+    if (ReadSlurm(getenv, slurm) && slurm.rank == info.rank &&
+        slurm.world_size == info.world_size) {
       info.local_rank = slurm.local_rank;
       info.local_world_size = slurm.local_world_size;
       info.node_rank = slurm.node_rank;
@@ -198,15 +200,16 @@ bool ReadSlurm(const GetEnv& getenv, LaunchInfo& info) {
   if (!Has(getenv, "SLURM_STEP_ID") && !Has(getenv, "SLURM_STEPID")) return false;
   const char* world = Has(getenv, "SLURM_STEP_NUM_TASKS") ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
   if (!Has(getenv, world)) {
-    Bad("SLURM_PROCID is set but neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS is (srun sets them)");
+    Bad("SLURM_PROCID is set but neither SLURM_STEP_NUM_TASKS nor SLURM_NTASKS is (srun sets "
+        "them)");
   }
   info.launcher = Launcher::kSlurm;
   info.rank = Number(getenv, "SLURM_PROCID", 0);
   info.world_size = Number(getenv, world, 0);
   info.local_rank = Number(getenv, "SLURM_LOCALID", info.rank);
   info.node_rank = Number(getenv, "SLURM_NODEID", 0);
-  const char* per_node =
-      Has(getenv, "SLURM_STEP_TASKS_PER_NODE") ? "SLURM_STEP_TASKS_PER_NODE" : "SLURM_TASKS_PER_NODE";
+  const char* per_node = Has(getenv, "SLURM_STEP_TASKS_PER_NODE") ? "SLURM_STEP_TASKS_PER_NODE"
+                                                                  : "SLURM_TASKS_PER_NODE";
   info.local_world_size = info.world_size;
   if (const std::optional<std::string_view> spec = Value(getenv, per_node)) {
     const int tasks = TasksOnNode(*spec, info.node_rank);

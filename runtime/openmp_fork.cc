@@ -41,7 +41,7 @@ struct Runtime {
   bool has_pause = false;  // defines omp_pause_resource_all (GCC >= 9)
   int level = 0;           // the forking thread's omp_get_level()
   bool in_parallel = false;
-  int pause_rc = -1;       // omp_pause_resource_all's result, when it was called
+  int pause_rc = -1;  // omp_pause_resource_all's result, when it was called
   // A libgomp linked -z nodelete (as GCC builds it) is paused after the walk, outside the
   // loader's lock (see GnuInWalk); these are its entry points for that.
   bool pause_after_walk = false;
@@ -153,9 +153,8 @@ void GnuInWalk(const LoadedObject& object, Runtime* r, bool pause) {
 // Runs under the loader's dl_load_write_lock: reads symbol tables, and calls a ready libgomp.
 bool VisitObject(const LoadedObject& object, void* context) {
   auto* found = static_cast<Found*>(context);
-  if (found->known != nullptr &&
-      std::find(found->known, found->known + found->known_count, object.path()) ==
-          found->known + found->known_count) {
+  if (found->known != nullptr && std::find(found->known, found->known + found->known_count,
+                                           object.path()) == found->known + found->known_count) {
     return true;  // nothing was loaded or unloaded since the walk that found no runtime here
   }
   Runtime& r = found->runtimes[found->count];
@@ -295,8 +294,7 @@ bool Prepare(const PrepareAttempt& attempt) {
   const uint64_t stamp = internal::LoadedObjectsStamp();
   const bool same = stamp != 0 && stamp == st.walk_stamp;
   if (same && st.walk_count == 0) return true;  // no runtime, nothing loaded since
-  Found found = same ? Walk(/*pause=*/true, st.walk_paths, st.walk_count)
-                     : Walk(/*pause=*/true);
+  Found found = same ? Walk(/*pause=*/true, st.walk_paths, st.walk_count) : Walk(/*pause=*/true);
   for (int i = 0; i < found.count; ++i) {
     if (found.runtimes[i].pause_after_walk) CallGnu(&found.runtimes[i]);  // see GnuInWalk
   }

@@ -163,11 +163,11 @@ std::vector<OpenMpRuntime> LoadedOpenMpRuntimes();
 /// Each counts forks (once per fork, however many prepare attempts it took), except
 /// pause_refused and not_ready, which count prepare attempts.
 struct OpenMpForkStats {
-  uint64_t paused = 0;          ///< Forks before which libgomp was paused.
-  uint64_t pause_refused = 0;   ///< Attempts at which omp_pause_resource_all failed.
-  uint64_t gave_up = 0;         ///< Forks that went ahead with libgomp not paused.
-  uint64_t in_region = 0;       ///< Forks made from inside a parallel region.
-  uint64_t left_to_runtime = 0; ///< Forks with libomp or libiomp5 loaded (their handlers act).
+  uint64_t paused = 0;           ///< Forks before which libgomp was paused.
+  uint64_t pause_refused = 0;    ///< Attempts at which omp_pause_resource_all failed.
+  uint64_t gave_up = 0;          ///< Forks that went ahead with libgomp not paused.
+  uint64_t in_region = 0;        ///< Forks made from inside a parallel region.
+  uint64_t left_to_runtime = 0;  ///< Forks with libomp or libiomp5 loaded (their handlers act).
   /// Forks at which libomp or libiomp5 was prepared before forksafe (not yet ordered), so it
   /// was asked nothing (a fork from inside its region then goes unreported).
   uint64_t not_asked = 0;

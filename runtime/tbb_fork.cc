@@ -69,7 +69,7 @@ int ThreadCount() {
     if (got <= 0) break;
     for (long off = 0; off < got;) {
       const auto* len = reinterpret_cast<const unsigned short*>(buf + off + 16);  // d_reclen
-      const char* name = buf + off + 19;                                           // d_name
+      const char* name = buf + off + 19;                                          // d_name
       if (name[0] != '.') ++n;
       off += *len;
     }
@@ -79,7 +79,8 @@ int ThreadCount() {
 }
 
 // Only when prepare found no handle held (the program called ReleaseTbbScheduler, or attaching
-// failed): oneTBB may have shut workers down detached in the meantime. Wait until the number of threads has been still for 0.3 ms, at most 20 ms.
+// failed): oneTBB may have shut workers down detached in the meantime. Wait until the number of
+// threads has been still for 0.3 ms, at most 20 ms.
 void LetDetachedWorkersFinish() {
   int last = ThreadCount();
   if (last < 0) return;

@@ -76,9 +76,9 @@ bool TbbUsableInThisProcess();
 
 /// Counters, for tests and diagnostics.
 struct TbbForkStats {
-  uint64_t finalized = 0;        ///< Forks before which oneTBB's workers were joined.
-  uint64_t finalize_refused = 0; ///< Attempts at which finalize reported busy workers.
-  uint64_t gave_up = 0;          ///< Forks that went ahead with oneTBB workers alive.
+  uint64_t finalized = 0;         ///< Forks before which oneTBB's workers were joined.
+  uint64_t finalize_refused = 0;  ///< Attempts at which finalize reported busy workers.
+  uint64_t gave_up = 0;           ///< Forks that went ahead with oneTBB workers alive.
 };
 TbbForkStats GetTbbForkStats();
 

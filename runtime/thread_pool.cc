@@ -207,7 +207,8 @@ void OnForkEntered() {
 ThreadPool::ThreadPool(ThreadPoolOptions options) : options_(std::move(options)) {
   if (options_.num_threads < 0) {
     throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("ThreadPoolOptions::num_threads must be >= 0 (0 = one per CPU this process may use), got ",
+                absl::StrCat("ThreadPoolOptions::num_threads must be >= 0 (0 = one per CPU this "
+                             "process may use), got ",
                              options_.num_threads));
   }
   if (options_.drain_deadline.count() < 0 || options_.drain_deadline > std::chrono::hours(24)) {
@@ -359,13 +360,13 @@ void ThreadPool::ParallelFor(int64_t begin, int64_t end, int64_t grain,
   const uint64_t step = static_cast<uint64_t>(grain);
   const uint64_t chunks = span / step + (span % step != 0 ? 1 : 0);
   if (chunks > kParallelForMaxChunks) {
-    throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("ParallelFor over [", begin, ", ", end, ") in chunks of ", grain,
-                             " would make ", chunks, " chunks, more than the limit of ",
-                             kParallelForMaxChunks,
-                             " (one call of the body each); raise the grain to at least ",
-                             span / kParallelForMaxChunks +
-                                 (span % kParallelForMaxChunks != 0 ? 1 : 0)));
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        absl::StrCat("ParallelFor over [", begin, ", ", end, ") in chunks of ", grain,
+                     " would make ", chunks, " chunks, more than the limit of ",
+                     kParallelForMaxChunks,
+                     " (one call of the body each); raise the grain to at least ",
+                     span / kParallelForMaxChunks + (span % kParallelForMaxChunks != 0 ? 1 : 0)));
   }
   // Chunks are handed out from one counter, so memory does not grow with their number: the
   // calling thread and up to num_threads() helper tasks take the next chunk until none is left.
@@ -466,7 +467,7 @@ bool ThreadPool::PrepareFork(const PrepareAttempt& attempt) {
   // Each attempt waits a slice, so that a task blocked on a lock another subsystem took in
   // prepare gets its chance after the registry rolls that subsystem back.
   const auto slice = std::max<std::chrono::steady_clock::duration>(options_.drain_deadline / 8,
-                                                                    std::chrono::milliseconds(1));
+                                                                   std::chrono::milliseconds(1));
   const auto wait_until = last ? hard_deadline : std::min(hard_deadline, now + slice);
   const int self = (t_worker_state == s) ? 1 : 0;  // a fork from our own worker
 
@@ -613,9 +614,10 @@ void TaskGroup::Wait() {
   if (ForkGeneration() != generation_) {
     // Forked from inside one of this group's tasks (or while it ran): its other tasks stayed in
     // the parent and will never finish here.
-    throw Error(ErrorCode::kFailedPrecondition,
-                "a TaskGroup (or ParallelFor) of the parent cannot be waited for in a forked child: "
-                "its tasks run in the parent; call _exit() or exec from the task that forked");
+    throw Error(
+        ErrorCode::kFailedPrecondition,
+        "a TaskGroup (or ParallelFor) of the parent cannot be waited for in a forked child: "
+        "its tasks run in the parent; call _exit() or exec from the task that forked");
   }
   for (;;) {
     {

@@ -84,13 +84,13 @@ struct ThreadPoolOptions {
 /// Counters, for tests and diagnostics.
 struct ThreadPoolStats {
   uint64_t tasks_completed = 0;
-  uint64_t task_exceptions = 0;    ///< Exceptions thrown by Post() tasks.
-  uint64_t forks_drained = 0;      ///< Forks for which the pool was fully quiesced.
-  uint64_t drain_timeouts = 0;     ///< Forks that went ahead with tasks still running.
+  uint64_t task_exceptions = 0;  ///< Exceptions thrown by Post() tasks.
+  uint64_t forks_drained = 0;    ///< Forks for which the pool was fully quiesced.
+  uint64_t drain_timeouts = 0;   ///< Forks that went ahead with tasks still running.
   /// Prepare attempts rolled back because a worker that had left was still ending (running its
   /// thread_local destructors).
   uint64_t exit_waits = 0;
-  uint64_t rebuilt_in_child = 0;   ///< 1 when this pool was rebuilt after a fork in this process.
+  uint64_t rebuilt_in_child = 0;  ///< 1 when this pool was rebuilt after a fork in this process.
 };
 
 namespace internal {
@@ -173,7 +173,7 @@ class ThreadPool {
   int num_threads_;
   std::atomic<internal::PoolState*> state_{nullptr};
   std::chrono::steady_clock::time_point drain_started_{};
-  uint64_t drain_fork_ = 0;        // the fork drain_started_ belongs to (forks are serialized)
+  uint64_t drain_fork_ = 0;  // the fork drain_started_ belongs to (forks are serialized)
   bool drained_this_fork_ = false;
   std::atomic<uint64_t> forks_drained_{0};
   std::atomic<uint64_t> drain_timeouts_{0};

@@ -15,8 +15,8 @@ TEST(VersionTest, MacrosAndLibraryAgree) {
   EXPECT_EQ(std::string(FORKSAFE_VERSION_STRING), expected);
   EXPECT_EQ(std::string(Version()), FORKSAFE_VERSION_STRING)
       << "the library this test links is the release its headers describe";
-  EXPECT_EQ(FORKSAFE_VERSION, FORKSAFE_VERSION_MAJOR * 10000 + FORKSAFE_VERSION_MINOR * 100 +
-                                  FORKSAFE_VERSION_PATCH);
+  EXPECT_EQ(FORKSAFE_VERSION,
+            FORKSAFE_VERSION_MAJOR * 10000 + FORKSAFE_VERSION_MINOR * 100 + FORKSAFE_VERSION_PATCH);
   static_assert(FORKSAFE_VERSION_MINOR < 100 && FORKSAFE_VERSION_PATCH < 100,
                 "FORKSAFE_VERSION packs minor and patch into two digits each");
 }

@@ -14,11 +14,11 @@
 //   floor_memcpy / size   : memcpy of 4 KiB, 1 MiB and 64 MiB between pre-faulted buffers
 //                           (the least a copy of a fresh tensor into shared memory costs).
 #include <linux/futex.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>

@@ -8,8 +8,8 @@
 // Normally run by bench/peers/run.sh, which alternates it with the peers.
 #include <fcntl.h>
 #include <poll.h>
-#include <sys/mman.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -308,7 +308,8 @@ void PoolLifecycle(const peers::Emitter& out, const peers::Plan& plan) {
 void BusyFork(const peers::Emitter& out, const peers::Plan& plan, bool child_uses_pool,
               const std::string& param, const std::string& workload) {
   using forksafe::runtime::ThreadPool;
-  ThreadPool pool(forksafe::runtime::ThreadPoolOptions{1, "intra-op", std::chrono::milliseconds(2000)});
+  ThreadPool pool(
+      forksafe::runtime::ThreadPoolOptions{1, "intra-op", std::chrono::milliseconds(2000)});
   constexpr int64_t kN = int64_t{1} << 20;
   std::vector<float> x(kN, 1.f), y(kN, 2.f), z(kN);
   auto add = [&](int64_t lo, int64_t hi) {
@@ -523,8 +524,8 @@ void SerialSum(const peers::Emitter& out, const peers::Plan& plan, int count, in
     if (total <= 0) throw std::runtime_error("sum");
     return us;
   });
-  out.Samples("bd_sum_serial", std::to_string(count) + " x " + peers::SizeName(bytes), bytes,
-              plan, samples);
+  out.Samples("bd_sum_serial", std::to_string(count) + " x " + peers::SizeName(bytes), bytes, plan,
+              samples);
 }
 
 // A throw caught in-process: what a failing child pays before it reports (forksafe's throw hook
@@ -588,7 +589,8 @@ int main(int argc, char** argv) {
   if (args.Wants("w1")) {
     for (int64_t b : peers::kSizes) {
       if (!args.WantsSize(b)) continue;
-      out.Guard("w1_roundtrip", peers::SizeName(b), [&] { RoundTrip(out, plan("w1_roundtrip"), b); });
+      out.Guard("w1_roundtrip", peers::SizeName(b),
+                [&] { RoundTrip(out, plan("w1_roundtrip"), b); });
     }
   }
   if (args.Wants("w2")) {
@@ -598,7 +600,8 @@ int main(int argc, char** argv) {
     }
   }
   if (args.Wants("w3")) {
-    out.Guard("w3_poolmap", "2000 x 4 KiB", [&] { PoolMap(out, plan("w3_poolmap"), 2000, 4 << 10); });
+    out.Guard("w3_poolmap", "2000 x 4 KiB",
+              [&] { PoolMap(out, plan("w3_poolmap"), 2000, 4 << 10); });
     out.Guard("w3_poolmap", "500 x 1 MiB", [&] { PoolMap(out, plan("w3_poolmap"), 500, 1 << 20); });
   }
   if (args.Wants("w4")) {
@@ -610,20 +613,22 @@ int main(int argc, char** argv) {
     out.Guard("w5_pool", "start=fork", [&] { PoolLifecycle(out, plan("w5_pool")); });
   }
   if (args.Wants("w6")) {
-    out.Guard("w6_busy_fork", "", [&] {
-      BusyFork(out, plan("w6_busy_fork"), true, "", "w6_busy_fork");
-    });
+    out.Guard("w6_busy_fork", "",
+              [&] { BusyFork(out, plan("w6_busy_fork"), true, "", "w6_busy_fork"); });
   }
   if (args.Wants("bd")) {
     out.Guard("bd_queue_string", "64 B", [&] { QueueString(out, plan("w1_roundtrip")); });
     out.Guard("bd_tensor_codec", "encode+decode", [&] { HandleCodec(out, plan("w1_roundtrip")); });
     for (int64_t b : peers::kSizes) {
-      out.Guard("bd_share_fresh", peers::SizeName(b), [&] { ShareFresh(out, plan("w2_fresh"), b); });
+      out.Guard("bd_share_fresh", peers::SizeName(b),
+                [&] { ShareFresh(out, plan("w2_fresh"), b); });
     }
     out.Guard("bd_raw_segment", "64 MiB",
               [&] { RawSegment(out, plan("w2_fresh"), int64_t{64} << 20); });
-    out.Guard("bd_sum_serial", "2000 x 4 KiB", [&] { SerialSum(out, plan("w3_poolmap"), 2000, 4 << 10); });
-    out.Guard("bd_sum_serial", "500 x 1 MiB", [&] { SerialSum(out, plan("w3_poolmap"), 500, 1 << 20); });
+    out.Guard("bd_sum_serial", "2000 x 4 KiB",
+              [&] { SerialSum(out, plan("w3_poolmap"), 2000, 4 << 10); });
+    out.Guard("bd_sum_serial", "500 x 1 MiB",
+              [&] { SerialSum(out, plan("w3_poolmap"), 500, 1 << 20); });
     out.Guard("bd_spawn_fork_blocking_join", "start=fork",
               [&] { Spawn2BlockingJoin(out, plan("w4_spawn_fork")); });
     out.Guard("bd_failure_blocking_join", "start=fork",
@@ -631,9 +636,8 @@ int main(int argc, char** argv) {
     out.Guard("bd_throw", "", [&] { ThrowCatch(out, plan("floor_fork")); });
     out.Guard("bd_terminate_join", "", [&] { TerminateJoin(out, plan("w4_failure"), ""); });
     out.Guard("bd_fork_idle", "", [&] { IdleFork(out, plan("floor_fork"), ""); });
-    out.Guard("bd_busy_fork_child_exits", "", [&] {
-      BusyFork(out, plan("w6_busy_fork"), false, "", "bd_busy_fork_child_exits");
-    });
+    out.Guard("bd_busy_fork_child_exits", "",
+              [&] { BusyFork(out, plan("w6_busy_fork"), false, "", "bd_busy_fork_child_exits"); });
   }
   return 0;
 }

@@ -137,9 +137,8 @@ void TakeOffIdle(DeviceState& st, Imported* imp) {
 // meanwhile maps it anew). Caller holds st.mu.
 std::vector<Imported*> TakeIdleVictims(DeviceState& st, bool all) {
   std::vector<Imported*> out;
-  while (!st.idle_imports.empty() &&
-         (all || st.idle_imports.size() > kIdleImportsMax ||
-          st.idle_import_bytes > kIdleImportBytesMax)) {
+  while (!st.idle_imports.empty() && (all || st.idle_imports.size() > kIdleImportsMax ||
+                                      st.idle_import_bytes > kIdleImportBytesMax)) {
     Imported* imp = st.idle_imports.front();
     st.idle_imports.erase(st.idle_imports.begin());
     st.idle_import_bytes -= imp->size;
@@ -271,13 +270,13 @@ void* AllocateLocked(const CudaDriver* d, DeviceState& st, size_t bytes) {
       if (failure == CUDA_ERROR_OUT_OF_MEMORY) {
         throw Error(ErrorCode::kResourceExhausted,
                     absl::StrCat("Allocate of ", bytes, " bytes on cuda:", st.index,
-                                 ": out of memory (cuMemCreate of ", seg_size, " bytes: ",
-                                 CuResultText(*d, failure), "; ", st.allocated_bytes,
+                                 ": out of memory (cuMemCreate of ", seg_size,
+                                 " bytes: ", CuResultText(*d, failure), "; ", st.allocated_bytes,
                                  " bytes allocated and ", st.reserved_bytes,
                                  " reserved by this process); free tensors or use less memory"));
       }
-      ThrowCu(*d, failure, absl::StrCat("cuMemCreate/cuMemMap of ", seg_size, " bytes on cuda:",
-                                        st.index));
+      ThrowCu(*d, failure,
+              absl::StrCat("cuMemCreate/cuMemMap of ", seg_size, " bytes on cuda:", st.index));
     }
     b = FindFree(st, small, size);
   }

@@ -24,8 +24,7 @@ using runtime::Error;
 using runtime::ErrorCode;
 using runtime::internal::MutexLock;
 
-void ThrowCu(const CudaDriver& d, CUresult r, const std::string& what,
-             const std::string& advice) {
+void ThrowCu(const CudaDriver& d, CUresult r, const std::string& what, const std::string& advice) {
   ErrorCode code = ErrorCode::kInternal;
   std::string hint = advice;
   if (r == CUDA_ERROR_OUT_OF_MEMORY) {
@@ -51,8 +50,8 @@ void EnsureDeviceLocked(CudaContext& c, DeviceState& st) {
   FS_CU(d->cuCtxSetCurrent(st.ctx), "cuCtxSetCurrent");
   int vmm = 0, posix_fd = 0;
   d->cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, st.dev);
-  d->cuDeviceGetAttribute(&posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-                          st.dev);
+  d->cuDeviceGetAttribute(&posix_fd,
+                          CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, st.dev);
   if (!vmm || !posix_fd) {
     throw Error(ErrorCode::kUnavailable,
                 absl::StrCat("cuda:", st.index, " does not support ",
@@ -65,9 +64,9 @@ void EnsureDeviceLocked(CudaContext& c, DeviceState& st) {
   st.prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   st.prop.location.id = st.dev;
   st.prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  FS_CU(d->cuMemGetAllocationGranularity(&st.granularity, &st.prop,
-                                         CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-        "cuMemGetAllocationGranularity");
+  FS_CU(
+      d->cuMemGetAllocationGranularity(&st.granularity, &st.prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+      "cuMemGetAllocationGranularity");
   if (st.granularity == 0) st.granularity = kSmallSegment;
   FS_CU(d->cuStreamCreate(&st.stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
   st.pool_id = runtime::internal::RandomId();
@@ -116,7 +115,8 @@ void SyncStream(CudaContext& c, DeviceState& st, const char* what) {
   }
   if (!failure.empty()) throw Error(ErrorCode::kProcessFailed, absl::StrCat(what, ": ", failure));
   if (waits.empty()) {
-    FS_CU(d->cuStreamSynchronize(stream), absl::StrCat(what, ": cuStreamSynchronize(cuda:", st.index, ")"));
+    FS_CU(d->cuStreamSynchronize(stream),
+          absl::StrCat(what, ": cuStreamSynchronize(cuda:", st.index, ")"));
     return;
   }
   // Polled: a blocking synchronize could never return if an awaited exporter died. The first
@@ -153,7 +153,8 @@ void SyncStream(CudaContext& c, DeviceState& st, const char* what) {
                   absl::StrCat(what, " on cuda:", st.index, ": process ", w.exporter,
                                " exited before the event this device waits for (WaitIpcEvent) "
                                "completed; the data it was writing may be incomplete. Work queued "
-                               "on cuda:", st.index, " since that wait was dropped"));
+                               "on cuda:",
+                               st.index, " since that wait was dropped"));
     }
     if (std::chrono::steady_clock::now() < spin_until) {
       std::this_thread::yield();
@@ -165,9 +166,7 @@ void SyncStream(CudaContext& c, DeviceState& st, const char* what) {
   MutexLock lk(&st.mu);
   if (st.stream == stream) {
     st.waits.erase(std::remove_if(st.waits.begin(), st.waits.end(),
-                                  [&](const PendingWait& w) {
-                                    return w.ticket < last_ticket;
-                                  }),
+                                  [&](const PendingWait& w) { return w.ticket < last_ticket; }),
                    st.waits.end());
   }
 }

@@ -206,10 +206,9 @@ constexpr auto kProbeTimeout = std::chrono::seconds(30);
     if (!init || !count || !get || !get_name || !total) {
       msg = "ERR libcuda.so.1 lacks cuInit/cuDeviceGetCount\n";
     } else if ((r = init(0)) != CUDA_SUCCESS) {
-      msg = absl::StrCat("ERR cuInit failed with CUresult ", static_cast<int>(r),
-                         r == CUDA_ERROR_NO_DEVICE ? " (CUDA_ERROR_NO_DEVICE: no GPU is visible)"
-                                                   : "",
-                         "\n");
+      msg = absl::StrCat(
+          "ERR cuInit failed with CUresult ", static_cast<int>(r),
+          r == CUDA_ERROR_NO_DEVICE ? " (CUDA_ERROR_NO_DEVICE: no GPU is visible)" : "", "\n");
     } else if ((r = count(&n)) != CUDA_SUCCESS) {
       msg = absl::StrCat("ERR cuDeviceGetCount failed with CUresult ", static_cast<int>(r), "\n");
     } else {
@@ -245,8 +244,8 @@ void QueryProbe(CudaDeviceSummary* out, const std::string& nvml_why) {
   out->source = "probe";
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) {
-    out->why = absl::StrCat(nvml_why, "; and the probe could not start (pipe: ", strerror(errno),
-                            ")");
+    out->why =
+        absl::StrCat(nvml_why, "; and the probe could not start (pipe: ", strerror(errno), ")");
     return;
   }
   const pid_t pid = fork();
@@ -258,8 +257,8 @@ void QueryProbe(CudaDeviceSummary* out, const std::string& nvml_why) {
   if (pid < 0) {
     const int err = errno;
     close(fds[0]);
-    out->why = absl::StrCat(nvml_why, "; and the probe could not start (fork: ", strerror(err),
-                            ")");
+    out->why =
+        absl::StrCat(nvml_why, "; and the probe could not start (fork: ", strerror(err), ")");
     return;
   }
   std::string text;
@@ -418,15 +417,15 @@ const CudaDriver* LoadCudaDriver(std::string* why) {
     return fn;
   };
   std::string missing;
-#define FORKSAFE_CUDA_RESOLVE(name, version, symbol)                               \
-  d->name = reinterpret_cast<PFN_##name##_v##version>(resolve(#name, symbol));     \
+#define FORKSAFE_CUDA_RESOLVE(name, version, symbol)                           \
+  d->name = reinterpret_cast<PFN_##name##_v##version>(resolve(#name, symbol)); \
   if (d->name == nullptr) absl::StrAppend(&missing, missing.empty() ? "" : ", ", symbol);
   FORKSAFE_CUDA_DRIVER_FUNCTIONS(FORKSAFE_CUDA_RESOLVE)
 #undef FORKSAFE_CUDA_RESOLVE
   if (r != CUDA_SUCCESS) {
-    *why = absl::StrCat("cuInit failed: ", CuResultText(*d, r),
-                        r == CUDA_ERROR_NO_DEVICE ? " (no GPU visible: check CUDA_VISIBLE_DEVICES)"
-                                                  : "");
+    *why = absl::StrCat(
+        "cuInit failed: ", CuResultText(*d, r),
+        r == CUDA_ERROR_NO_DEVICE ? " (no GPU visible: check CUDA_VISIBLE_DEVICES)" : "");
     delete d;  // the library stays loaded; a later call tries cuInit again
     return nullptr;
   }

@@ -64,46 +64,46 @@ std::map<int, std::string> NvmlKeptDescriptors();
 #if defined(FORKSAFE_HAVE_CUDA_HEADERS)
 
 // X(member, typedef version, exported symbol for the dlsym fallback)
-#define FORKSAFE_CUDA_DRIVER_FUNCTIONS(X)                                          \
-  X(cuGetErrorName, 6000, "cuGetErrorName")                                        \
-  X(cuGetErrorString, 6000, "cuGetErrorString")                                    \
-  X(cuDriverGetVersion, 2020, "cuDriverGetVersion")                                \
-  X(cuDeviceGet, 2000, "cuDeviceGet")                                              \
-  X(cuDeviceGetCount, 2000, "cuDeviceGetCount")                                    \
-  X(cuDeviceGetName, 2000, "cuDeviceGetName")                                      \
-  X(cuDeviceTotalMem, 3020, "cuDeviceTotalMem_v2")                                 \
-  X(cuDeviceGetAttribute, 2000, "cuDeviceGetAttribute")                            \
-  X(cuDevicePrimaryCtxRetain, 7000, "cuDevicePrimaryCtxRetain")                    \
-  X(cuCtxSetCurrent, 4000, "cuCtxSetCurrent")                                      \
-  X(cuStreamCreate, 2000, "cuStreamCreate")                                        \
-  X(cuStreamSynchronize, 2000, "cuStreamSynchronize")                              \
-  X(cuStreamQuery, 2000, "cuStreamQuery")                                          \
-  X(cuStreamWaitEvent, 3020, "cuStreamWaitEvent")                                  \
-  X(cuMemGetAllocationGranularity, 10020, "cuMemGetAllocationGranularity")         \
-  X(cuMemCreate, 10020, "cuMemCreate")                                             \
-  X(cuMemRelease, 10020, "cuMemRelease")                                           \
-  X(cuMemAddressReserve, 10020, "cuMemAddressReserve")                             \
-  X(cuMemAddressFree, 10020, "cuMemAddressFree")                                   \
-  X(cuMemMap, 10020, "cuMemMap")                                                   \
-  X(cuMemUnmap, 10020, "cuMemUnmap")                                               \
-  X(cuMemSetAccess, 10020, "cuMemSetAccess")                                       \
-  X(cuMemExportToShareableHandle, 10020, "cuMemExportToShareableHandle")           \
-  X(cuMemImportFromShareableHandle, 10020, "cuMemImportFromShareableHandle")       \
-  X(cuMemcpyHtoDAsync, 3020, "cuMemcpyHtoDAsync_v2")                               \
-  X(cuMemcpyDtoHAsync, 3020, "cuMemcpyDtoHAsync_v2")                               \
-  X(cuMemcpyDtoDAsync, 3020, "cuMemcpyDtoDAsync_v2")                               \
-  X(cuMemcpyPeerAsync, 4000, "cuMemcpyPeerAsync")                                  \
-  X(cuMemsetD8Async, 3020, "cuMemsetD8Async")                                      \
-  X(cuMemGetInfo, 3020, "cuMemGetInfo_v2")                                         \
-  X(cuMemGetAddressRange, 3020, "cuMemGetAddressRange_v2")                         \
-  X(cuIpcGetMemHandle, 4010, "cuIpcGetMemHandle")                                  \
-  X(cuIpcOpenMemHandle, 11000, "cuIpcOpenMemHandle_v2")                            \
-  X(cuIpcCloseMemHandle, 4010, "cuIpcCloseMemHandle")                              \
-  X(cuEventCreate, 2000, "cuEventCreate")                                          \
-  X(cuEventRecord, 2000, "cuEventRecord")                                          \
-  X(cuEventQuery, 2000, "cuEventQuery")                                            \
-  X(cuEventDestroy, 4000, "cuEventDestroy_v2")                                     \
-  X(cuIpcGetEventHandle, 4010, "cuIpcGetEventHandle")                              \
+#define FORKSAFE_CUDA_DRIVER_FUNCTIONS(X)                                    \
+  X(cuGetErrorName, 6000, "cuGetErrorName")                                  \
+  X(cuGetErrorString, 6000, "cuGetErrorString")                              \
+  X(cuDriverGetVersion, 2020, "cuDriverGetVersion")                          \
+  X(cuDeviceGet, 2000, "cuDeviceGet")                                        \
+  X(cuDeviceGetCount, 2000, "cuDeviceGetCount")                              \
+  X(cuDeviceGetName, 2000, "cuDeviceGetName")                                \
+  X(cuDeviceTotalMem, 3020, "cuDeviceTotalMem_v2")                           \
+  X(cuDeviceGetAttribute, 2000, "cuDeviceGetAttribute")                      \
+  X(cuDevicePrimaryCtxRetain, 7000, "cuDevicePrimaryCtxRetain")              \
+  X(cuCtxSetCurrent, 4000, "cuCtxSetCurrent")                                \
+  X(cuStreamCreate, 2000, "cuStreamCreate")                                  \
+  X(cuStreamSynchronize, 2000, "cuStreamSynchronize")                        \
+  X(cuStreamQuery, 2000, "cuStreamQuery")                                    \
+  X(cuStreamWaitEvent, 3020, "cuStreamWaitEvent")                            \
+  X(cuMemGetAllocationGranularity, 10020, "cuMemGetAllocationGranularity")   \
+  X(cuMemCreate, 10020, "cuMemCreate")                                       \
+  X(cuMemRelease, 10020, "cuMemRelease")                                     \
+  X(cuMemAddressReserve, 10020, "cuMemAddressReserve")                       \
+  X(cuMemAddressFree, 10020, "cuMemAddressFree")                             \
+  X(cuMemMap, 10020, "cuMemMap")                                             \
+  X(cuMemUnmap, 10020, "cuMemUnmap")                                         \
+  X(cuMemSetAccess, 10020, "cuMemSetAccess")                                 \
+  X(cuMemExportToShareableHandle, 10020, "cuMemExportToShareableHandle")     \
+  X(cuMemImportFromShareableHandle, 10020, "cuMemImportFromShareableHandle") \
+  X(cuMemcpyHtoDAsync, 3020, "cuMemcpyHtoDAsync_v2")                         \
+  X(cuMemcpyDtoHAsync, 3020, "cuMemcpyDtoHAsync_v2")                         \
+  X(cuMemcpyDtoDAsync, 3020, "cuMemcpyDtoDAsync_v2")                         \
+  X(cuMemcpyPeerAsync, 4000, "cuMemcpyPeerAsync")                            \
+  X(cuMemsetD8Async, 3020, "cuMemsetD8Async")                                \
+  X(cuMemGetInfo, 3020, "cuMemGetInfo_v2")                                   \
+  X(cuMemGetAddressRange, 3020, "cuMemGetAddressRange_v2")                   \
+  X(cuIpcGetMemHandle, 4010, "cuIpcGetMemHandle")                            \
+  X(cuIpcOpenMemHandle, 11000, "cuIpcOpenMemHandle_v2")                      \
+  X(cuIpcCloseMemHandle, 4010, "cuIpcCloseMemHandle")                        \
+  X(cuEventCreate, 2000, "cuEventCreate")                                    \
+  X(cuEventRecord, 2000, "cuEventRecord")                                    \
+  X(cuEventQuery, 2000, "cuEventQuery")                                      \
+  X(cuEventDestroy, 4000, "cuEventDestroy_v2")                               \
+  X(cuIpcGetEventHandle, 4010, "cuIpcGetEventHandle")                        \
   X(cuIpcOpenEventHandle, 4010, "cuIpcOpenEventHandle")
 
 /// The driver functions the backend uses, with the ABI of the typedef versions above.

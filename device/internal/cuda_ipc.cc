@@ -44,7 +44,6 @@ uint64_t HashBytes(const void* p, size_t n) {  // FNV-1a: identity of a legacy h
   return h == 0 ? 1 : h;
 }
 
-
 // A close-on-exec duplicate of `fd` for ExportMemory's caller to send; `whose` names the
 // descriptor in the error (kResourceExhausted: out of descriptors).
 int DupForExport(int fd, int index, const char* whose) {
@@ -64,7 +63,8 @@ void KeepExportFd(DeviceState& st, Segment* seg, int fd) FORKSAFE_EXCLUSIVE_LOCK
   if (st.kept_export_fds >= internal::kKeptExportFdsMax) {
     Segment* oldest = nullptr;
     for (const auto& [base, other] : st.segments) {
-      if (other->export_fd >= 0 && (oldest == nullptr || other->export_tick < oldest->export_tick)) {
+      if (other->export_fd >= 0 &&
+          (oldest == nullptr || other->export_tick < oldest->export_tick)) {
         oldest = other;
       }
     }
@@ -134,14 +134,14 @@ IpcMemoryHandle CudaBackend::ExportMemory(int index, const void* ptr, size_t byt
                                "memory of another allocator needs ExportLegacyMemory"));
     }
     int fd = -1;
-    const CUresult r = d->cuMemExportToShareableHandle(
-        &fd, alloc, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    const CUresult r =
+        d->cuMemExportToShareableHandle(&fd, alloc, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
     if (r != CUDA_SUCCESS) {
       if (r == CUDA_ERROR_OUT_OF_MEMORY || r == CUDA_ERROR_TOO_MANY_PEERS) {
-        throw Error(ErrorCode::kResourceExhausted,
-                    absl::StrCat("ExportMemory: cuMemExportToShareableHandle failed: ",
-                                 internal::CuResultText(*d, r),
-                                 "; close unused descriptors (ulimit -n)"));
+        throw Error(
+            ErrorCode::kResourceExhausted,
+            absl::StrCat("ExportMemory: cuMemExportToShareableHandle failed: ",
+                         internal::CuResultText(*d, r), "; close unused descriptors (ulimit -n)"));
       }
       ThrowCu(*d, r, "ExportMemory: cuMemExportToShareableHandle");
     }
@@ -177,10 +177,9 @@ IpcMemoryHandle CudaBackend::ExportLegacyMemory(int index, const void* ptr, size
     throw Error(ErrorCode::kInvalidArgument,
                 absl::StrCat("ExportLegacyMemory on cuda:", index, ": [", P(ptr), ", +", bytes,
                              ") is not inside one device allocation",
-                             r != CUDA_SUCCESS
-                                 ? absl::StrCat(" (cuMemGetAddressRange: ",
-                                                internal::CuResultText(*d, r), ")")
-                                 : std::string()));
+                             r != CUDA_SUCCESS ? absl::StrCat(" (cuMemGetAddressRange: ",
+                                                              internal::CuResultText(*d, r), ")")
+                                               : std::string()));
   }
   CUipcMemHandle ipc{};
   r = d->cuIpcGetMemHandle(&ipc, base);
@@ -215,10 +214,10 @@ void* CudaBackend::ImportMemory(const IpcMemoryHandle& handle) {
   const CudaDriver* d = ctx_->d;
   DeviceState& st = Dev(*ctx_, index);
   if (handle.size > handle.segment_size || handle.offset > handle.segment_size - handle.size) {
-    throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("ImportMemory: the range [", handle.offset, ", +", handle.size,
-                             ") does not lie inside the segment of ", handle.segment_size,
-                             " bytes"));
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        absl::StrCat("ImportMemory: the range [", handle.offset, ", +", handle.size,
+                     ") does not lie inside the segment of ", handle.segment_size, " bytes"));
   }
   if (handle.kind == IpcKind::kLegacy) {
     std::string key(reinterpret_cast<const char*>(handle.opaque.data()), handle.opaque.size());
@@ -315,8 +314,9 @@ void* CudaBackend::ImportMemory(const IpcMemoryHandle& handle) {
   r = ReserveAndMap(d, st, alloc, size, &va);
   if (r != CUDA_SUCCESS) {
     d->cuMemRelease(alloc);
-    ThrowCu(*d, r, absl::StrCat("ImportMemory: mapping a segment of ", size, " bytes on cuda:",
-                                index, " (cuMemAddressReserve/cuMemMap/cuMemSetAccess)"),
+    ThrowCu(*d, r,
+            absl::StrCat("ImportMemory: mapping a segment of ", size, " bytes on cuda:", index,
+                         " (cuMemAddressReserve/cuMemMap/cuMemSetAccess)"),
             "the segment may live on another GPU than this index names here (compare "
             "CUDA_VISIBLE_DEVICES of both processes)");
   }
@@ -337,7 +337,7 @@ void CudaBackend::ReleaseImported(int index, void* ptr) {
   const CudaDriver* d = ctx_->d;
   DeviceState& st = Dev(*ctx_, index);
   const CUdeviceptr p = DevPtr(ptr);
-  bool needs_unmap = false;  // the last reference to a legacy import goes
+  bool needs_unmap = false;                  // the last reference to a legacy import goes
   std::vector<internal::Imported*> victims;  // idle imports over the bounds
   {
     MutexLock lk(&st.mu);
@@ -447,7 +447,10 @@ void CudaBackend::HoldAfterFree(int index, const void* ptr, std::function<bool()
     head->size = off - b->offset;
     head->prev = b->prev;
     head->next = b;
-    if (b->prev) b->prev->next = head; else seg->first = head;
+    if (b->prev)
+      b->prev->next = head;
+    else
+      seg->first = head;
     b->prev = head;
     b->offset = off;
     b->size -= head->size;

@@ -38,9 +38,9 @@ namespace {
 bool ExitedAfterFinishingItsWork(int fd) {
   if (fd < 0) return false;
   char target[128];
-  const ssize_t n =
-      readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), target, sizeof target - 1);
-  if (n <= 0 || std::string(target, static_cast<size_t>(n)).rfind("/memfd:forksafe_cudaexit", 0) != 0) {
+  const ssize_t n = readlink(absl::StrCat("/proc/self/fd/", fd).c_str(), target, sizeof target - 1);
+  if (n <= 0 ||
+      std::string(target, static_cast<size_t>(n)).rfind("/memfd:forksafe_cudaexit", 0) != 0) {
     return false;
   }
   uint32_t word = 0;
@@ -127,8 +127,9 @@ void CudaBackend::WaitIpcEvent(int index, const IpcEventHandle& event) {
     } else {
       if (st.opened.size() >= 1024) {  // forget events of exporters that have exited
         for (auto o = st.opened.begin(); o != st.opened.end();) {
-          const bool awaited = std::any_of(st.waits.begin(), st.waits.end(),
-                                           [&](const auto& w) { return w.event == o->second.event; });
+          const bool awaited = std::any_of(st.waits.begin(), st.waits.end(), [&](const auto& w) {
+            return w.event == o->second.event;
+          });
           if (!awaited && !runtime::internal::ProcessAlive(o->second.exporter)) {
             d->cuEventDestroy(o->second.event);
             o = st.opened.erase(o);
@@ -141,14 +142,16 @@ void CudaBackend::WaitIpcEvent(int index, const IpcEventHandle& event) {
       std::memcpy(eh.reserved, event.opaque.data(), 64);
       const CUresult r = d->cuIpcOpenEventHandle(&ev, eh);
       if (r != CUDA_SUCCESS) {
-        if (!runtime::internal::ProcessAlive(event.exporter) && ExitedAfterFinishingItsWork(event.fd)) return;
+        if (!runtime::internal::ProcessAlive(event.exporter) &&
+            ExitedAfterFinishingItsWork(event.fd))
+          return;
         if (!runtime::internal::ProcessAlive(event.exporter)) {
           // Its work may or may not have finished: say so at the next Synchronize.
-          st.failure = absl::StrCat("process ", event.exporter,
-                                    " exited before its IPC event could be opened here "
-                                    "(cuIpcOpenEventHandle: ",
-                                    internal::CuResultText(*d, r),
-                                    "); the data it wrote may be incomplete");
+          st.failure =
+              absl::StrCat("process ", event.exporter,
+                           " exited before its IPC event could be opened here "
+                           "(cuIpcOpenEventHandle: ",
+                           internal::CuResultText(*d, r), "); the data it wrote may be incomplete");
           return;
         }
         ThrowCu(*d, r, "WaitIpcEvent: cuIpcOpenEventHandle",

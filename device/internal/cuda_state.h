@@ -15,8 +15,8 @@
 //
 // Guarantees
 //   - Everything of a DeviceState marked FORKSAFE_GUARDED_BY(mu) is read and written only with its
-//     `mu` held; functions marked FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu) expect the caller to hold
-//     it, and Dev/SyncStream must be called without it.
+//     `mu` held; functions marked FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu) expect the caller to
+//     hold it, and Dev/SyncStream must be called without it.
 //   - `index` is fixed at creation; `dev`, `ctx`, `granularity` and `prop` are written once, under
 //     `mu`, by EnsureDeviceLocked before `ready` becomes true, and only read afterwards (Dev takes
 //     `mu` before anything reads them).
@@ -50,8 +50,8 @@ namespace forksafe::device::internal {
 
 #if defined(FORKSAFE_HAVE_CUDA_HEADERS)
 
-inline constexpr size_t kRound = 512;                 // every block is a multiple of this
-inline constexpr size_t kSmallMax = size_t{1} << 20;  // requests up to 1 MiB share segments...
+inline constexpr size_t kRound = 512;                     // every block is a multiple of this
+inline constexpr size_t kSmallMax = size_t{1} << 20;      // requests up to 1 MiB share segments...
 inline constexpr size_t kSmallSegment = size_t{2} << 20;  // ...of 2 MiB (at least the granularity)
 // Imports no tensor uses any more stay mapped (idle) for the next message that names the same
 // segment, up to this many segments and bytes per device, least recently used out first.
@@ -68,9 +68,9 @@ struct Block {
   size_t offset = 0;
   size_t size = 0;
   bool allocated = false;
-  bool held = false;                  // freed, kept out of reuse until `released` says so
-  std::function<bool()> released;     // for held blocks
-  std::function<bool()> hold_on_free; // HoldAfterFree called while still allocated
+  bool held = false;                   // freed, kept out of reuse until `released` says so
+  std::function<bool()> released;      // for held blocks
+  std::function<bool()> hold_on_free;  // HoldAfterFree called while still allocated
   Block* prev = nullptr;
   Block* next = nullptr;
   CUdeviceptr addr() const;
@@ -155,7 +155,8 @@ struct DeviceState {
 
   std::map<CUdeviceptr, Imported*> imports FORKSAFE_GUARDED_BY(mu);  // by base
   std::unordered_map<uint64_t, Imported*> imports_by_id FORKSAFE_GUARDED_BY(mu);
-  std::vector<Imported*> idle_imports FORKSAFE_GUARDED_BY(mu);  // refs == 0, still mapped; oldest first
+  std::vector<Imported*> idle_imports
+      FORKSAFE_GUARDED_BY(mu);  // refs == 0, still mapped; oldest first
   size_t idle_import_bytes FORKSAFE_GUARDED_BY(mu) = 0;
   size_t kept_export_fds FORKSAFE_GUARDED_BY(mu) = 0;  // own segments with export_fd >= 0
   uint64_t export_clock FORKSAFE_GUARDED_BY(mu) = 0;
@@ -169,7 +170,8 @@ struct DeviceState {
   std::vector<CUipcEventHandle> pool_handles FORKSAFE_GUARDED_BY(mu);
   uint64_t next_slot FORKSAFE_GUARDED_BY(mu) = 0;
   uint64_t sequence FORKSAFE_GUARDED_BY(mu) = 0;
-  std::map<std::pair<pid_t, std::pair<uint64_t, uint32_t>>, OpenedEvent> opened FORKSAFE_GUARDED_BY(mu);
+  std::map<std::pair<pid_t, std::pair<uint64_t, uint32_t>>, OpenedEvent> opened
+      FORKSAFE_GUARDED_BY(mu);
   // IPC waits queued since the last completed synchronize.
   std::vector<PendingWait> waits FORKSAFE_GUARDED_BY(mu);
   uint64_t next_ticket FORKSAFE_GUARDED_BY(mu) = 0;
@@ -218,10 +220,10 @@ T* RangeOf(std::map<CUdeviceptr, T*>& m, CUdeviceptr p, size_t n) {
                           const std::string& advice = "");
 
 // Calls the driver through `d` (a const CudaDriver* in scope) and throws on failure.
-#define FS_CU(call, what)                                           \
-  do {                                                              \
-    const CUresult fs_cu_r = (call);                                \
-    if (fs_cu_r != CUDA_SUCCESS) ThrowCu(*d, fs_cu_r, (what));      \
+#define FS_CU(call, what)                                      \
+  do {                                                         \
+    const CUresult fs_cu_r = (call);                           \
+    if (fs_cu_r != CUDA_SUCCESS) ThrowCu(*d, fs_cu_r, (what)); \
   } while (0)
 
 /// Per-device setup on first use.
@@ -247,7 +249,8 @@ std::set<Block*, BySize>& PoolOf(DeviceState& st, const Segment* seg)
 void InsertFree(DeviceState& st, Block* b) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 /// Releases every fully free own segment that no import of this process uses. The caller has
 /// synchronized the stream (work queued on freed blocks has finished).
-void ReleaseFreeSegments(const CudaDriver* d, DeviceState& st) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+void ReleaseFreeSegments(const CudaDriver* d, DeviceState& st)
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 /// Unmaps and releases an import (refs == 0, no longer idle). The caller has synchronized the
 /// stream (work queued on the memory has finished).
 void DestroyImport(const CudaDriver* d, DeviceState& st, Imported* imp)
@@ -272,7 +275,8 @@ CUresult ReserveAndMap(const CudaDriver* d, const DeviceState& st, CUmemGenericA
 void* AllocateLocked(const CudaDriver* d, DeviceState& st, size_t bytes)
     FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 /// The own segment containing [p, p + n), or null.
-Segment* OwnSegmentOf(DeviceState& st, CUdeviceptr p, size_t n) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
+Segment* OwnSegmentOf(DeviceState& st, CUdeviceptr p, size_t n)
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu);
 
 #else  // !FORKSAFE_HAVE_CUDA_HEADERS: the backend has no devices and no state.
 

@@ -42,8 +42,8 @@ int EnvInt(const char* name, int def, int lo, int hi) {
   long n = std::strtol(v, &end, 10);
   if (*end != '\0' || n < lo || n > hi) {
     throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("environment variable ", name, "=\"", v,
-                             "\" is not an integer in [", lo, ", ", hi, "]; fix or unset it"));
+                absl::StrCat("environment variable ", name, "=\"", v, "\" is not an integer in [",
+                             lo, ", ", hi, "]; fix or unset it"));
   }
   return static_cast<int>(n);
 }
@@ -80,7 +80,8 @@ size_t SimMemoryBytes() {
 }
 int SimIpcEvents() { return EnvInt("FORKSAFE_SIM_IPC_EVENTS", 64, 0, kMaxEvents); }
 
-// ---- the stream ----------------------------------------------------------------------------------
+// ---- the stream
+// ----------------------------------------------------------------------------------
 
 void SimContext::Run() {
   MutexLock lk(&q_mu);
@@ -175,8 +176,7 @@ char* SimContext::Translate(int index, const void* dev_ptr, size_t bytes, const 
   }
   if (!ok) {
     throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat(what, ": range of ", bytes, " bytes at sim:", index, " offset ",
-                             off,
+                absl::StrCat(what, ": range of ", bytes, " bytes at sim:", index, " offset ", off,
                              " is not inside a live allocation (freed memory, or an access "
                              "past the end)"));
   }
@@ -185,7 +185,7 @@ char* SimContext::Translate(int index, const void* dev_ptr, size_t bytes, const 
 
 // Maps `fd` (owned from now on) as a segment of `dev`. Caller holds mem_mu.
 SimSegment* SimContext::AddSegment(int index, SimDeviceMemory& dev, SimSegment::Kind kind, int fd,
-                       size_t size, uint64_t id) {
+                                   size_t size, uint64_t id) {
   auto seg = std::make_unique<SimSegment>();
   seg->kind = kind;
   seg->fd = fd;
@@ -194,9 +194,9 @@ SimSegment* SimContext::AddSegment(int index, SimDeviceMemory& dev, SimSegment::
   void* host = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (host == MAP_FAILED) {
     const int err = errno;
-    runtime::ThrowSystemError(absl::StrCat("sim:", index, ": mapping a segment of ", size,
-                                           " bytes"),
-                              err);  // ~SimSegment closes fd
+    runtime::ThrowSystemError(
+        absl::StrCat("sim:", index, ": mapping a segment of ", size, " bytes"),
+        err);  // ~SimSegment closes fd
   }
   seg->host = static_cast<char*>(host);
   if (size > kOffsetMask - dev.next_va) {
@@ -229,12 +229,11 @@ int SimContext::CreateMemfd(int index, const char* prefix, size_t size) {
     close(fd);
     if (err == ENOSPC || err == ENOMEM || err == EMFILE || err == ENFILE) {
       throw Error(ErrorCode::kResourceExhausted,
-                  absl::StrCat("sim:", index, ": reserving a segment of ", size,
-                               " bytes failed: ", std::strerror(err),
-                               " (host memory or descriptors ran out)"));
+                  absl::StrCat("sim:", index, ": reserving a segment of ", size, " bytes failed: ",
+                               std::strerror(err), " (host memory or descriptors ran out)"));
     }
-    runtime::ThrowSystemError(
-        absl::StrCat("sim:", index, ": sizing a segment of ", size, " bytes"), err);
+    runtime::ThrowSystemError(absl::StrCat("sim:", index, ": sizing a segment of ", size, " bytes"),
+                              err);
   }
   return fd;
 }
@@ -315,9 +314,8 @@ void SimContext::Reserve(int index, SimDeviceMemory& dev, size_t size, size_t re
   ReleaseFreeSegments(dev);
   if (size <= dev.capacity && dev.reserved <= dev.capacity - size) return;
   throw Error(ErrorCode::kResourceExhausted,
-              absl::StrCat("sim:", index, " is out of memory: ", requested,
-                           " bytes requested, ", dev.capacity - dev.in_use, " of ",
-                           dev.capacity,
+              absl::StrCat("sim:", index, " is out of memory: ", requested, " bytes requested, ",
+                           dev.capacity - dev.in_use, " of ", dev.capacity,
                            " free (fragmented, held for other processes, or full); free "
                            "tensors, or raise FORKSAFE_SIM_MEMORY_MB"));
 }
@@ -338,7 +336,8 @@ SimEventPool& SimContext::EventPool(int index) {
   return pool;
 }
 
-// ---- the machine-wide memory count ---------------------------------------------------------------
+// ---- the machine-wide memory count
+// ---------------------------------------------------------------
 
 // Sums the sizes of the sim segments of `index` that any visible process maps or holds a
 // descriptor of, each counted once.

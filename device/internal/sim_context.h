@@ -44,13 +44,13 @@
 
 namespace forksafe::device::internal {
 
-inline constexpr uint64_t kTag = 0xF5ull << 56;          // non-canonical on x86-64 and arm64
+inline constexpr uint64_t kTag = 0xF5ull << 56;  // non-canonical on x86-64 and arm64
 inline constexpr uint64_t kTagMask = 0xFFull << 56;
-inline constexpr int kIndexShift = 40;                    // 1 TiB of address space per device
+inline constexpr int kIndexShift = 40;  // 1 TiB of address space per device
 inline constexpr uint64_t kOffsetMask = (1ull << kIndexShift) - 1;
 inline constexpr size_t kAlign = 256;
-inline constexpr size_t kGranularity = size_t{2} << 20;   // segment sizes are multiples of this
-inline constexpr size_t kSmallMax = size_t{1} << 20;      // up to this, blocks share 2 MiB segments
+inline constexpr size_t kGranularity = size_t{2} << 20;  // segment sizes are multiples of this
+inline constexpr size_t kSmallMax = size_t{1} << 20;     // up to this, blocks share 2 MiB segments
 inline constexpr size_t kEventPageBytes = 4096;
 inline constexpr int kMaxEvents = static_cast<int>(kEventPageBytes / sizeof(uint32_t));
 inline constexpr auto kEventWaitLimit = std::chrono::seconds(120);
@@ -81,8 +81,8 @@ struct SimSegment {
   int fd = -1;
   char* host = nullptr;
   size_t size = 0;
-  uint64_t va = 0;  // device offset of its first byte
-  uint64_t id = 0;  // identity across processes
+  uint64_t va = 0;                       // device offset of its first byte
+  uint64_t id = 0;                       // identity across processes
   std::map<size_t, size_t> free_blocks;  // kOwn: offset in segment -> length
   size_t live = 0;                       // kOwn: blocks allocated or held
   int imports = 0;                       // ImportMemory calls that returned memory of it
@@ -96,7 +96,7 @@ struct SimSegment {
 struct SimBlock {
   size_t len = 0;
   SimSegment* seg = nullptr;
-  bool parked = false;              // freed by the user, held for other processes
+  bool parked = false;             // freed by the user, held for other processes
   std::function<bool()> released;  // set by HoldAfterFree
 };
 
@@ -135,7 +135,8 @@ struct SimContext {
   mutable runtime::internal::Mutex mem_mu;
   std::vector<SimDeviceMemory> devices FORKSAFE_GUARDED_BY(mem_mu);
   std::vector<SimEventPool> event_pools FORKSAFE_GUARDED_BY(mem_mu);  // per device
-  std::map<uint64_t, std::shared_ptr<SimEventPage>> peer_pages FORKSAFE_GUARDED_BY(mem_mu);  // by id
+  std::map<uint64_t, std::shared_ptr<SimEventPage>> peer_pages
+      FORKSAFE_GUARDED_BY(mem_mu);  // by id
 
   // The stream: one device thread running queued operations in order.
   runtime::internal::Mutex q_mu;
@@ -169,7 +170,8 @@ struct SimContext {
 
   // ---- memory ----
   // The segment holding device offset `off`, or null.
-  SimSegment* SegmentAt(SimDeviceMemory& dev, uint64_t off) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
+  SimSegment* SegmentAt(SimDeviceMemory& dev, uint64_t off)
+      FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
   // Translates a tagged device pointer into a host view of `bytes` bytes, checking that the
   // range lies inside one live (or held) block, or inside an imported segment.
   char* Translate(int index, const void* dev_ptr, size_t bytes, const char* what)
@@ -187,7 +189,8 @@ struct SimContext {
   // Unmaps own segments with no live or held block.
   void ReleaseFreeSegments(SimDeviceMemory& dev) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
   // First fit over the cached free blocks.
-  void* Carve(int index, SimDeviceMemory& dev, size_t need) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
+  void* Carve(int index, SimDeviceMemory& dev, size_t need)
+      FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);
   // Makes room for `size` more reserved bytes, or throws.
   void Reserve(int index, SimDeviceMemory& dev, size_t size, size_t requested)
       FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mem_mu);

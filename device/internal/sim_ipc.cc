@@ -101,10 +101,10 @@ void* SimBackend::ImportMemory(const IpcMemoryHandle& h) {
   Initialize();
   if (h.size == 0 || h.segment_size == 0 || h.offset > h.segment_size ||
       h.size > h.segment_size - h.offset) {
-    throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("ImportMemory: malformed handle: a range of ", h.size,
-                             " bytes at offset ", h.offset, " of a segment of ", h.segment_size,
-                             " bytes"));
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        absl::StrCat("ImportMemory: malformed handle: a range of ", h.size, " bytes at offset ",
+                     h.offset, " of a segment of ", h.segment_size, " bytes"));
   }
   {
     MutexLock lk(&ctx_->mem_mu);
@@ -152,7 +152,8 @@ void* SimBackend::ImportMemory(const IpcMemoryHandle& h) {
     if (fd < 0) {
       throw Error(ErrorCode::kFailedPrecondition,
                   absl::StrCat("ImportMemory: the memory behind this legacy handle was freed by "
-                               "its producer (pid ", h.exporter, ")", rule));
+                               "its producer (pid ",
+                               h.exporter, ")", rule));
     }
   } else {
     throw Error(ErrorCode::kInvalidArgument, "ImportMemory: malformed handle: unknown kind");
@@ -206,8 +207,7 @@ void SimBackend::HoldAfterFree(int index, const void* ptr, std::function<bool()>
   MutexLock lk(&ctx_->mem_mu);
   SimDeviceMemory& dev = ctx_->devices[index];
   auto it = dev.blocks.find(off);
-  if (it == dev.blocks.end() || it->second.parked ||
-      it->second.seg->kind != SimSegment::kOwn) {
+  if (it == dev.blocks.end() || it->second.parked || it->second.seg->kind != SimSegment::kOwn) {
     throw Error(ErrorCode::kInvalidArgument,
                 absl::StrCat("HoldAfterFree: sim:", index, " offset ", off,
                              " is not the start of a live block of forksafe's allocator"));
@@ -249,9 +249,9 @@ IpcEventHandle SimBackend::RecordIpcEvent(int index) {
   // a waiter wait for more work, never less).
   auto complete = [page, word, seq] {
     uint32_t cur = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-    while (static_cast<int32_t>(seq - cur) > 0 &&
-           !__atomic_compare_exchange_n(word, &cur, seq, false, __ATOMIC_RELEASE,
-                                        __ATOMIC_ACQUIRE)) {
+    while (
+        static_cast<int32_t>(seq - cur) > 0 &&
+        !__atomic_compare_exchange_n(word, &cur, seq, false, __ATOMIC_RELEASE, __ATOMIC_ACQUIRE)) {
     }
     internal::Futex(word, FUTEX_WAKE, INT_MAX, nullptr);
   };
@@ -296,8 +296,8 @@ void SimBackend::WaitIpcEvent(int index, const IpcEventHandle& e) {
     auto fresh = std::make_shared<internal::SimEventPage>();
     fresh->fd = fcntl(e.fd, F_DUPFD_CLOEXEC, 0);
     if (fresh->fd < 0) runtime::ThrowSystemError("WaitIpcEvent: dup", errno);
-    void* p = mmap(nullptr, internal::kEventPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED,
-                   fresh->fd, 0);
+    void* p =
+        mmap(nullptr, internal::kEventPageBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fresh->fd, 0);
     if (p == MAP_FAILED) runtime::ThrowSystemError("WaitIpcEvent: mapping the event page", errno);
     fresh->words = static_cast<uint32_t*>(p);
     fresh->id = e.pool_id;

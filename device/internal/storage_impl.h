@@ -38,7 +38,8 @@ struct StorageImpl {
   std::atomic<void*> data;
   const size_t nbytes;
   runtime::internal::Mutex mu;
-  std::function<void(void*)> deleter FORKSAFE_GUARDED_BY(mu);  // empty: borrowed, or nothing to free
+  std::function<void(void*)> deleter
+      FORKSAFE_GUARDED_BY(mu);  // empty: borrowed, or nothing to free
   std::atomic<bool> shared{false};
   std::shared_ptr<void> sharing_context FORKSAFE_GUARDED_BY(mu);
   bool from_allocate = false;  // made by Storage::Allocate; set once, before any sharing

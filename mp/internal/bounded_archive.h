@@ -66,8 +66,8 @@ CEREAL_LOAD_FUNCTION_NAME(BoundedInputArchive& ar, T& t) {
 
 /// bool: one byte, 0 or 1.
 template <class T>
-inline typename std::enable_if<std::is_same<T, bool>::value, void>::type
-CEREAL_LOAD_FUNCTION_NAME(BoundedInputArchive& ar, T& t) {
+inline typename std::enable_if<std::is_same<T, bool>::value, void>::type CEREAL_LOAD_FUNCTION_NAME(
+    BoundedInputArchive& ar, T& t) {
   static_assert(sizeof(bool) == 1, "a bool is one byte in cereal's binary format here");
   uint8_t b = 0;
   ar.loadBinary(&b, 1);

@@ -2,8 +2,8 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <signal.h>
 #include <sched.h>
+#include <signal.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -12,10 +12,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cxxabi.h>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <cxxabi.h>
 #include <memory>
 #include <thread>
 
@@ -339,8 +339,9 @@ std::string ProcessLimitNote() {
   }
   if (err == ENOMEM) {
     throw Error(ErrorCode::kResourceExhausted,
-                absl::StrCat(what, " failed: out of memory; free memory, or run fewer processes "
-                                   "at once"));
+                absl::StrCat(what,
+                             " failed: out of memory; free memory, or run fewer processes "
+                             "at once"));
   }
   if (err == EMFILE || err == ENFILE) {
     throw Error(ErrorCode::kResourceExhausted,
@@ -422,9 +423,9 @@ pid_t DecodeForkServerReply(Message& msg) {
     ThrowCannotStartProcess("the fork server, receiving the request's descriptors,", EMFILE);
   }
   if (pid < 0 && pid > -4096) ThrowCannotStartProcess("the fork server's fork()", -pid);
-  throw Error(ErrorCode::kInvalidArgument,
-              absl::StrCat("the fork server replied ", pid, ", which is neither a pid nor an "
-                           "error number"));
+  throw Error(ErrorCode::kInvalidArgument, absl::StrCat("the fork server replied ", pid,
+                                                        ", which is neither a pid nor an "
+                                                        "error number"));
 }
 
 namespace {
@@ -481,10 +482,11 @@ bool ValidEnvironmentEntry(const std::string& name, const std::string& value) {
 void CheckChildEnvironment(const ChildEnvironment& env, const std::string& process) {
   for (const auto& [k, v] : env) {
     if (!ValidEnvironmentEntry(k, v)) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  absl::StrCat("process \"", process, "\": ProcessOptions::env has a bad entry \"",
-                               k, "\" (a name must be non-empty and hold no '=' or NUL; a value "
-                               "no NUL)"));
+      throw Error(
+          ErrorCode::kInvalidArgument,
+          absl::StrCat("process \"", process, "\": ProcessOptions::env has a bad entry \"", k,
+                       "\" (a name must be non-empty and hold no '=' or NUL; a value "
+                       "no NUL)"));
     }
   }
 }

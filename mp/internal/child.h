@@ -40,8 +40,8 @@ namespace forksafe::mp::internal {
 //   (payload Encode(int32 exit code)) right before it exits normally (also from exit() called by
 //   the target); fork server -> parent "exit" (payload Encode(int32 wait_status)) after reaping.
 //   The kernel's wait status beats the child's own "exiting": the parent uses the latter only
-//   when another waiter in the program took the status (see ReapChild). Fork server -> parent on the
-//   request socket: Encode(int32 pid).
+//   when another waiter in the program took the status (see ReapChild). Fork server -> parent on
+//   the request socket: Encode(int32 pid).
 inline constexpr int kBootstrapFd = 3;
 inline constexpr const char* kChildFlag = "--forksafe-mp-child";
 inline constexpr const char* kServerFlag = "--forksafe-mp-forkserver";

@@ -243,12 +243,13 @@ const bool g_server_handler = [] {
     s.requests = Connection();
     s.pid = 0;
   });
-  runtime::internal::RegisterKeptResources("mp_forkserver", [](runtime::internal::KeptResources& k) {
-    ForkServer& s = TheServer();
-    runtime::internal::MutexLock lk(&s.mu);
-    k.AddChild(s.pid, "mp fork server");
-    if (!s.requests.closed()) k.AddFd(s.requests.fileno(), "mp fork server socket");
-  });
+  runtime::internal::RegisterKeptResources(
+      "mp_forkserver", [](runtime::internal::KeptResources& k) {
+        ForkServer& s = TheServer();
+        runtime::internal::MutexLock lk(&s.mu);
+        k.AddChild(s.pid, "mp fork server");
+        if (!s.requests.closed()) k.AddFd(s.requests.fileno(), "mp fork server socket");
+      });
   return true;
 }();
 
@@ -280,7 +281,7 @@ void ForgetServerIfDeadLocked(ForkServer& s) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(s
     r = waitpid(s.pid, nullptr, WNOHANG);
   } while (r < 0 && errno == EINTR);
   if (r == 0) return;  // running
-  s.pid = 0;  // reaped just now (or by someone else): never signal that pid again
+  s.pid = 0;           // reaped just now (or by someone else): never signal that pid again
   ForgetServerLocked(s);
 }
 

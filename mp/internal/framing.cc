@@ -25,7 +25,8 @@ FrameHeader ParseFrameHeader(std::string_view bytes, size_t max_bytes, size_t ma
   if (h.length > max_bytes) {
     throw Error(ErrorCode::kResourceExhausted,
                 absl::StrCat("recv: incoming message of ", h.length, " bytes exceeds the limit of ",
-                             max_bytes, " bytes; the connection was closed. Raise the limit "
+                             max_bytes,
+                             " bytes; the connection was closed. Raise the limit "
                              "with set_max_message_bytes() on both ends"));
   }
   return h;
@@ -33,9 +34,8 @@ FrameHeader ParseFrameHeader(std::string_view bytes, size_t max_bytes, size_t ma
 
 void CheckFrameDescriptors(const FrameHeader& h, size_t received) {
   if (received != h.nfds) {
-    throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("recv: message announced ", h.nfds, " descriptors but carried ",
-                             received));
+    throw Error(ErrorCode::kInvalidArgument, absl::StrCat("recv: message announced ", h.nfds,
+                                                          " descriptors but carried ", received));
   }
 }
 

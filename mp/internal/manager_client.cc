@@ -111,7 +111,8 @@ std::string Who(const ManagerAddress& addr) {
                            shut_down ? " was shut down"
                                      : " is gone (it was shut down, or it died: a manager dies "
                                        "with the process that started it)",
-                           " (", detail, "); its proxies can no longer be used: start a new "
+                           " (", detail,
+                           "); its proxies can no longer be used: start a new "
                            "Manager"));
 }
 
@@ -122,8 +123,9 @@ Connection Connect(const ManagerAddress& addr, const std::string& what) {
   sa.sun_family = AF_UNIX;
   if (addr.socket_name.empty() || addr.socket_name.size() + 1 > sizeof(sa.sun_path)) {
     throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat(what, ": the proxy holds no valid manager address (a "
-                                   "default-constructed or corrupted proxy)"));
+                absl::StrCat(what,
+                             ": the proxy holds no valid manager address (a "
+                             "default-constructed or corrupted proxy)"));
   }
   std::memcpy(sa.sun_path + 1, addr.socket_name.data(), addr.socket_name.size());
   const socklen_t len =

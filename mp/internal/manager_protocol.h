@@ -52,20 +52,20 @@ enum class ManagerOp : uint16_t {
   kDictSize,
   kDictKeys,
   kDictValues,
-  kDictItems,     // out: key, value, key, value, ... in insertion order
+  kDictItems,  // out: key, value, key, value, ... in insertion order
   kDictClear,
-  kDictUpdate,    // in: key, value, key, value, ...
+  kDictUpdate,      // in: key, value, key, value, ...
   kDictSetDefault,  // key, default -> the value now stored
   // sequences: list and array
-  kSeqGet,     // ints[0] index
-  kSeqSet,     // ints[0] index, blobs[0] value
+  kSeqGet,  // ints[0] index
+  kSeqSet,  // ints[0] index, blobs[0] value
   kSeqSize,
   kSeqCopy,
   // list only
   kListAppend,
   kListExtend,
-  kListPop,      // ints[0] index
-  kListInsert,   // ints[0] index, blobs[0] value
+  kListPop,     // ints[0] index
+  kListInsert,  // ints[0] index, blobs[0] value
   kListReverse,
   kListClear,
   // namespace (blobs[0] attribute name as plain bytes)
@@ -107,8 +107,8 @@ struct ManagerRequest {
   uint64_t object = 0;
   ManagedKind kind = ManagedKind::kManager;
   ManagerOp op = ManagerOp::kPing;
-  int32_t pid = 0;    // the caller, for lock ownership
-  int64_t tid = 0;    // the caller's thread (gettid)
+  int32_t pid = 0;  // the caller, for lock ownership
+  int64_t tid = 0;  // the caller's thread (gettid)
   double timeout = -1;
   std::vector<int64_t> ints;
   std::vector<std::string> blobs;

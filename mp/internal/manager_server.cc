@@ -10,15 +10,15 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
-#include <system_error>
 #include <deque>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -160,14 +160,11 @@ class Server {
         }
         break;
       case ManagedKind::kList:
-      case ManagedKind::kArray:
-        o->seq = req.blobs;
-        break;
+      case ManagedKind::kArray: o->seq = req.blobs; break;
       case ManagedKind::kNamespace:
       case ManagedKind::kLock:
       case ManagedKind::kRLock:
-      case ManagedKind::kEvent:
-        break;
+      case ManagedKind::kEvent: break;
       case ManagedKind::kSemaphore:
       case ManagedKind::kBoundedSemaphore:
         o->units = o->bound = arg(0);
@@ -186,8 +183,8 @@ class Server {
           objects_.emplace(o->lock_id, std::move(l));
         } else {
           auto it = objects_.find(lock);
-          if (it == objects_.end() || (it->second->kind != ManagedKind::kLock &&
-                                       it->second->kind != ManagedKind::kRLock)) {
+          if (it == objects_.end() ||
+              (it->second->kind != ManagedKind::kLock && it->second->kind != ManagedKind::kRLock)) {
             Fail(ErrorCode::kInvalidArgument,
                  absl::StrCat("Condition: object ", lock, " is not a Lock or RLock of manager ",
                               name_));
@@ -203,9 +200,7 @@ class Server {
                absl::StrCat("Barrier: parties must be >= 1, got ", o->parties));
         }
         break;
-      case ManagedKind::kQueue:
-        o->maxsize = arg(0);
-        break;
+      case ManagedKind::kQueue: o->maxsize = arg(0); break;
       case ManagedKind::kValue:
         if (req.blobs.size() != 1) Fail(ErrorCode::kInvalidArgument, "Value: no initial value");
         o->value = req.blobs[0];
@@ -241,9 +236,9 @@ class Server {
     if (clamp) return static_cast<size_t>(std::clamp<int64_t>(j, 0, n));
     if (j < 0 || j >= n) {
       Fail(ErrorCode::kInvalidArgument,
-           absl::StrCat(what, ": index ", i, " is out of range for size ", n,
-                        n == 0 ? " (it is empty)"
-                               : absl::StrCat(" (valid: ", -n, "..", n - 1, ")")));
+           absl::StrCat(
+               what, ": index ", i, " is out of range for size ", n,
+               n == 0 ? " (it is empty)" : absl::StrCat(" (valid: ", -n, "..", n - 1, ")")));
     }
     return static_cast<size_t>(j);
   }
@@ -281,8 +276,8 @@ class Server {
       Fail(ErrorCode::kFailedPrecondition,
            l.depth == 0 ? absl::StrCat(what, ": release of an unlocked lock")
                         : absl::StrCat(what, ": the lock is held by pid ", l.owner_pid, " tid ",
-                                       l.owner_tid, ", not by the caller (pid ", c.req.pid,
-                                       " tid ", c.req.tid, "); only the owner may release it"));
+                                       l.owner_tid, ", not by the caller (pid ", c.req.pid, " tid ",
+                                       c.req.tid, "); only the owner may release it"));
     }
     if (--l.depth == 0) l.owner_pid = 0, l.owner_tid = 0;
   }
@@ -437,9 +432,7 @@ class Server {
         return;
       // ---- locks, semaphores, condition's lock
       case ManagerOp::kAcquire:
-      case ManagerOp::kRelease:
-        Sync(c, o, out);
-        return;
+      case ManagerOp::kRelease: Sync(c, o, out); return;
       case ManagerOp::kSemValue:
         if (o.kind != ManagedKind::kSemaphore && o.kind != ManagedKind::kBoundedSemaphore) bad_op();
         out.ints.push_back(o.units);
@@ -504,8 +497,7 @@ class Server {
         Need(r, 0, 1, "Value.set");
         o.value = r.blobs[0];
         return;
-      default:
-        bad_op();
+      default: bad_op();
     }
   }
 
@@ -540,8 +532,8 @@ class Server {
         }
         if (o.kind == ManagedKind::kBoundedSemaphore && o.units + n > o.bound) {
           Fail(ErrorCode::kFailedPrecondition,
-               absl::StrCat("BoundedSemaphore.release: released too many times (value ",
-                            o.units, " + ", n, " would exceed the initial value ", o.bound, ")"));
+               absl::StrCat("BoundedSemaphore.release: released too many times (value ", o.units,
+                            " + ", n, " would exceed the initial value ", o.bound, ")"));
         }
         o.units += n;
         return;
@@ -582,8 +574,7 @@ class Server {
       notified = WaitFor(*c.lk, c, was_notified);
     } catch (const ClientGone&) {
       o.waiters.erase(std::remove(o.waiters.begin(), o.waiters.end(), ticket), o.waiters.end());
-      o.notified.erase(std::remove(o.notified.begin(), o.notified.end(), ticket),
-                       o.notified.end());
+      o.notified.erase(std::remove(o.notified.begin(), o.notified.end(), ticket), o.notified.end());
       throw;
     }
     o.waiters.erase(std::remove(o.waiters.begin(), o.waiters.end(), ticket), o.waiters.end());
@@ -596,19 +587,14 @@ class Server {
 
   void Barrier(Call& c, Object& o, ManagerReply& out) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     switch (c.req.op) {
-      case ManagerOp::kBarrierAbort:
-        o.broken = true;
-        return;
+      case ManagerOp::kBarrierAbort: o.broken = true; return;
       case ManagerOp::kBarrierReset:
         if (o.arrived > 0) ++o.epoch;
         o.arrived = 0;
         o.broken = false;
         return;
-      case ManagerOp::kBarrierInfo:
-        out.ints = {o.parties, o.arrived, o.broken ? 1 : 0};
-        return;
-      default:
-        break;
+      case ManagerOp::kBarrierInfo: out.ints = {o.parties, o.arrived, o.broken ? 1 : 0}; return;
+      default: break;
     }
     auto broken = [] {
       Fail(ErrorCode::kFailedPrecondition,
@@ -626,8 +612,8 @@ class Server {
     const uint64_t gen = o.generation, epoch = o.epoch;
     bool passed = false;
     try {
-      passed = WaitFor(*c.lk, c,
-                       [&] { return o.generation != gen || o.broken || o.epoch != epoch; });
+      passed =
+          WaitFor(*c.lk, c, [&] { return o.generation != gen || o.broken || o.epoch != epoch; });
     } catch (const ClientGone&) {
       o.broken = true;
       throw;
@@ -704,8 +690,8 @@ FileDescriptor Listen(const std::string& socket_name) {
     throw Error(ErrorCode::kInvalidArgument, "manager: bad socket name");
   }
   std::memcpy(addr.sun_path + 1, socket_name.data(), socket_name.size());  // abstract: leading NUL
-  const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 +
-                                               socket_name.size());
+  const socklen_t len =
+      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + socket_name.size());
   if (bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
     runtime::ThrowSystemError("manager: bind of its abstract socket", errno);
   }
@@ -744,13 +730,12 @@ void ForksafeManagerMain(Connection ctl, std::string secret, std::string socket_
     socklen_t cred_len = sizeof(cred);
     if (getsockopt(client.get(), SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0 ||
         cred.uid != uid) {
-      std::fprintf(stderr, "forksafe manager %s: refused a connection from uid %d\n",
-                   name.c_str(), static_cast<int>(cred.uid));
+      std::fprintf(stderr, "forksafe manager %s: refused a connection from uid %d\n", name.c_str(),
+                   static_cast<int>(cred.uid));
       continue;
     }
     try {
-      std::thread(ServeClient, server, Connection(std::move(client), true, true), secret)
-          .detach();
+      std::thread(ServeClient, server, Connection(std::move(client), true, true), secret).detach();
     } catch (const std::system_error&) {
       // out of threads: the client sees end-of-file and reports the manager unreachable
     }

@@ -43,7 +43,6 @@
 #include <thread>
 #include <vector>
 
-#include "forksafe/runtime/internal/thread_annotations.h"
 #include "forksafe/mp/connection.h"
 #include "forksafe/mp/internal/pool_call.h"
 #include "forksafe/mp/internal/pool_job.h"
@@ -53,6 +52,7 @@
 #include "forksafe/mp/process.h"
 #include "forksafe/mp/start_method.h"
 #include "forksafe/runtime/internal/mutex.h"
+#include "forksafe/runtime/internal/thread_annotations.h"
 
 namespace forksafe::mp::internal {
 

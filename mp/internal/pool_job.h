@@ -36,10 +36,10 @@
 #include <thread>
 #include <vector>
 
-#include "forksafe/runtime/internal/thread_annotations.h"
 #include "forksafe/mp/codec.h"
 #include "forksafe/mp/timeout.h"
 #include "forksafe/runtime/internal/mutex.h"
+#include "forksafe/runtime/internal/thread_annotations.h"
 
 namespace forksafe::mp::internal {
 

@@ -31,11 +31,11 @@
 #include <utility>
 #include <vector>
 
-#include "forksafe/runtime/internal/thread_annotations.h"
 #include "forksafe/mp/codec.h"
 #include "forksafe/mp/internal/pool_call.h"
 #include "forksafe/mp/internal/pool_job.h"
 #include "forksafe/runtime/internal/mutex.h"
+#include "forksafe/runtime/internal/thread_annotations.h"
 
 namespace forksafe::mp::internal {
 

@@ -5,13 +5,13 @@
 #include <map>
 #include <vector>
 
-#include "forksafe/runtime/internal/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "forksafe/mp/entry_point.h"
 #include "forksafe/mp/internal/child.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/loaded_objects.h"
 #include "forksafe/runtime/internal/mutex.h"
+#include "forksafe/runtime/internal/thread_annotations.h"
 
 namespace forksafe::mp::internal {
 

@@ -42,12 +42,14 @@ void ReadRing(const char* ring, uint64_t cap, uint64_t pos, void* dst, size_t n)
 
 QueueRecord ParseQueueRecord(const char* ring, uint64_t cap, uint64_t head, uint64_t tail,
                              size_t max_fds) {
-  if (cap < sizeof(RecordHeader) || cap % 8 != 0) Corrupted(absl::StrCat("ring of ", cap, " bytes"));
+  if (cap < sizeof(RecordHeader) || cap % 8 != 0)
+    Corrupted(absl::StrCat("ring of ", cap, " bytes"));
   const uint64_t used = head - tail;  // both only grow; unsigned difference
   if (used > cap || used < sizeof(RecordHeader)) {
     Corrupted(absl::StrCat("head ", head, ", tail ", tail, " of a ", cap, "-byte ring"));
   }
-  if (tail % 8 != 0) Corrupted(absl::StrCat("a record starts at byte ", tail, ", not a multiple of 8"));
+  if (tail % 8 != 0)
+    Corrupted(absl::StrCat("a record starts at byte ", tail, ", not a multiple of 8"));
   RecordHeader h;
   ReadRing(ring, cap, tail, &h, sizeof(h));
   QueueRecord r;
@@ -66,7 +68,8 @@ QueueRecord ParseQueueRecord(const char* ring, uint64_t cap, uint64_t head, uint
   return r;
 }
 
-std::string ReadQueuePayload(const char* ring, uint64_t cap, uint64_t tail, const QueueRecord& rec) {
+std::string ReadQueuePayload(const char* ring, uint64_t cap, uint64_t tail,
+                             const QueueRecord& rec) {
   std::string out(rec.length, '\0');
   ReadRing(ring, cap, tail + sizeof(RecordHeader), out.data(), rec.length);
   return out;
@@ -78,7 +81,8 @@ BatchAction ClassifyBatch(uint64_t got, uint64_t want) {
   throw Error(ErrorCode::kInvalidArgument,
               absl::StrCat("Queue::get: the descriptors of message ", want,
                            " are missing from the queue's side channel (the next batch is for "
-                           "message ", got, "); the queue is corrupted. Recreate it"));
+                           "message ",
+                           got, "); the queue is corrupted. Recreate it"));
 }
 
 std::string ReadSpilledPayload(int fd, size_t max_bytes) {
@@ -100,8 +104,9 @@ std::string ReadSpilledPayload(int fd, size_t max_bytes) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) runtime::ThrowSystemError("reading a large queue item", errno);
     if (n == 0) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "Queue::get: an out-of-band item shrank while being read; the queue is corrupted");
+      throw Error(
+          ErrorCode::kInvalidArgument,
+          "Queue::get: an out-of-band item shrank while being read; the queue is corrupted");
     }
     off += static_cast<size_t>(n);
   }

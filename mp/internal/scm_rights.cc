@@ -36,10 +36,9 @@ void CollectDescriptors(msghdr& mh, std::vector<FileDescriptor>* out) {
     // The kernel installs the passed descriptors one by one and drops the rest (silently, but for
     // this flag) when the table is full; the ones that did arrive are closed with `got`.
     rlimit rl{};
-    const std::string limit =
-        getrlimit(RLIMIT_NOFILE, &rl) != 0  ? std::string("unknown")
-        : rl.rlim_cur == RLIM_INFINITY ? std::string("unlimited")
-                                       : std::to_string(rl.rlim_cur);
+    const std::string limit = getrlimit(RLIMIT_NOFILE, &rl) != 0 ? std::string("unknown")
+                              : rl.rlim_cur == RLIM_INFINITY     ? std::string("unlimited")
+                                                                 : std::to_string(rl.rlim_cur);
     throw runtime::Error(
         runtime::ErrorCode::kResourceExhausted,
         absl::StrCat("recv: descriptors sent with a message were lost on arrival (", got.size(),

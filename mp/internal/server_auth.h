@@ -24,9 +24,9 @@
 #include <sys/types.h>
 
 #include <chrono>
-#include <mutex>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>

@@ -32,8 +32,8 @@ namespace {
 using runtime::Error;
 using runtime::ErrorCode;
 
-constexpr uint32_t kBlockMagic = 0x424c4b31;                // "BLK1"
-constexpr size_t kHeaderBytes = 4096;                       // segment header page
+constexpr uint32_t kBlockMagic = 0x424c4b31;  // "BLK1"
+constexpr size_t kHeaderBytes = 4096;         // segment header page
 constexpr size_t kBlockHeader = 64;
 constexpr size_t kAlign = 64;
 constexpr size_t kMinSegment = size_t{4} << 20;
@@ -107,9 +107,7 @@ class Segment {
   }
   // Created by this very process (not inherited from the parent): only then may it hand out
   // blocks, and unlink its name.
-  bool OwnedHere() const {
-    return owned && generation == runtime::ForkGeneration();
-  }
+  bool OwnedHere() const { return owned && generation == runtime::ForkGeneration(); }
   SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base); }
   BlockHeader* block(uint64_t offset) const {
     return reinterpret_cast<BlockHeader*>(base + offset - kBlockHeader);
@@ -527,8 +525,7 @@ static void PopulateHeldPages(char* base, int fd, size_t size) {
     if (hole < 0 || static_cast<size_t>(hole) > size) hole = static_cast<off_t>(size);
     const size_t from = static_cast<size_t>(data) / page * page;
     const size_t to = static_cast<size_t>(hole);
-    if (to > from && madvise(base + from, to - from, MADV_POPULATE_WRITE) != 0 &&
-        errno == EINVAL) {
+    if (to > from && madvise(base + from, to - from, MADV_POPULATE_WRITE) != 0 && errno == EINVAL) {
       return;  // the kernel has no MADV_POPULATE_WRITE
     }
     pos = hole;
@@ -643,8 +640,12 @@ ArenaStats SharedArena::stats() const {
 
 SharedBlock::SharedBlock(std::shared_ptr<Segment> seg, uint64_t offset, void* data, size_t size,
                          bool allocated_here)
-    : seg_(std::move(seg)), allocated_here_(allocated_here), offset_(offset), data_(data),
-      size_(size), generation_(runtime::ForkGeneration()) {}
+    : seg_(std::move(seg)),
+      allocated_here_(allocated_here),
+      offset_(offset),
+      data_(data),
+      size_(size),
+      generation_(runtime::ForkGeneration()) {}
 
 SharedBlock::~SharedBlock() {
   // Inherited through fork(): holds no reference here ("Blocks across fork" in the header).
@@ -656,8 +657,7 @@ SharedBlock::~SharedBlock() {
   // A dedicated segment (one block, never reused): whichever process drops the last reference
   // anywhere unlinks its name (the creator may have let go first while the block was in flight).
   // The creator trusts its own record; others the header.
-  const bool dedicated =
-      seg_->OwnedHere() ? seg_->dedicated : (h->flags & kSegmentDedicated) != 0;
+  const bool dedicated = seg_->OwnedHere() ? seg_->dedicated : (h->flags & kSegmentDedicated) != 0;
   if (dedicated && seg_left == 0 && seg_->kind == SegmentKind::kNamed && !seg_->name.empty()) {
     shm_unlink(seg_->name.c_str());
   }

@@ -135,11 +135,11 @@ void CheckBlockPlacement(uint64_t offset, uint64_t size, uint64_t segment_size);
 /// Counters for tests, benchmarks and diagnostics.
 struct ArenaStats {
   uint64_t segments_created = 0;
-  uint64_t segments_mapped = 0;   ///< Imported from other processes.
+  uint64_t segments_mapped = 0;  ///< Imported from other processes.
   uint64_t blocks_allocated = 0;
-  uint64_t blocks_reused = 0;     ///< Served from the cache instead of fresh memory.
-  uint64_t bytes_reserved = 0;    ///< In segments this process created.
-  uint64_t live_segments = 0;     ///< Segments this process maps now.
+  uint64_t blocks_reused = 0;   ///< Served from the cache instead of fresh memory.
+  uint64_t bytes_reserved = 0;  ///< In segments this process created.
+  uint64_t live_segments = 0;   ///< Segments this process maps now.
 };
 
 /// The process-wide arena.

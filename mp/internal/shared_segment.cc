@@ -45,7 +45,9 @@ SharedSegment::~SharedSegment() {
 }
 
 SharedSegment::SharedSegment(SharedSegment&& o) noexcept
-    : fd_(std::move(o.fd_)), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+    : fd_(std::move(o.fd_)),
+      data_(std::exchange(o.data_, nullptr)),
+      size_(std::exchange(o.size_, 0)) {}
 
 SharedSegment& SharedSegment::operator=(SharedSegment&& o) noexcept {
   if (this != &o) {
@@ -95,7 +97,8 @@ SharedSegment SharedSegment::Map(FileDescriptor fd) {
     const int err = errno;
     if (err == ENOMEM) {
       throw runtime::Error(runtime::ErrorCode::kResourceExhausted,
-                           absl::StrCat("cannot map ", size, " bytes of shared memory: out of "
+                           absl::StrCat("cannot map ", size,
+                                        " bytes of shared memory: out of "
                                         "address space or memory"));
     }
     runtime::ThrowSystemError("mmap of a shared segment", err);

@@ -51,12 +51,14 @@ const bool g_handler = [] {
     c.conn = Connection();
     c.pid = 0;
   });
-  runtime::internal::RegisterKeptResources("mp_shm_manager", [](runtime::internal::KeptResources& k) {
-    Client& c = TheClient();
-    runtime::internal::MutexLock lk(&c.mu);
-    k.AddChild(c.pid, "mp shm manager");
-    if (!c.conn.closed()) k.AddFd(c.conn.fileno(), "mp shm manager socket");
-  });
+  runtime::internal::RegisterKeptResources("mp_shm_manager",
+                                           [](runtime::internal::KeptResources& k) {
+                                             Client& c = TheClient();
+                                             runtime::internal::MutexLock lk(&c.mu);
+                                             k.AddChild(c.pid, "mp shm manager");
+                                             if (!c.conn.closed())
+                                               k.AddFd(c.conn.fileno(), "mp shm manager socket");
+                                           });
   return true;
 }();
 
@@ -255,8 +257,9 @@ uint64_t ProcessStartTicks(pid_t pid) {
   const char* p = std::strrchr(buf, ')');
   if (p == nullptr) return 0;
   unsigned long long start = 0;
-  if (std::sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d "
-                         "%*d %*d %llu",
+  if (std::sscanf(p + 1,
+                  " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d "
+                  "%*d %*d %llu",
                   &start) != 1) {
     return 0;
   }
@@ -300,7 +303,8 @@ RefSnapshot SnapshotRefs(const SegmentHeader* h) {
   RefSnapshot s;
   // Carriers first, the total last: a reference adopted in between shows in neither or in the
   // total only (the reader maps the segment before adopting), never as a carrier's alone.
-  for (int i = 0; i < kMaxCarriers; ++i) s.carriers[i] = h->carriers[i].load(std::memory_order_acquire);
+  for (int i = 0; i < kMaxCarriers; ++i)
+    s.carriers[i] = h->carriers[i].load(std::memory_order_acquire);
   s.overflow = h->carrier_overflow.load(std::memory_order_acquire);
   s.live_refs = h->live_refs.load(std::memory_order_acquire);
   return s;
@@ -347,7 +351,8 @@ int SweepOrphanedSegments() {
   int removed = 0;
   for (const auto& [n, b] : before) {
     if (scan.mapped_names.count(n) == 0 && Judge(n, &b, &scan) == Verdict::kRemove &&
-        shm_unlink(("/" + n).c_str()) == 0) ++removed;
+        shm_unlink(("/" + n).c_str()) == 0)
+      ++removed;
   }
   return removed;
 }
@@ -361,8 +366,10 @@ void ShmManagerTrack(const std::string& name) {
     }
     c.conn.send(std::string("track"), name.substr(1));  // without the leading '/'
   } catch (const std::exception& e) {
-    fprintf(stderr, "forksafe: the shm manager is unavailable (%s); named segments are removed "
-                    "only when freed\n", e.what());
+    fprintf(stderr,
+            "forksafe: the shm manager is unavailable (%s); named segments are removed "
+            "only when freed\n",
+            e.what());
   }
 }
 
@@ -424,8 +431,8 @@ void RunShmManager(int fd) {
     for (auto it = names.begin(); it != names.end();) {
       const bool gone = !Exists(*it);
       const auto b = before.find(*it);
-      if (gone || Judge(*it, b == before.end() ? nullptr : &b->second,
-                        scan ? &*scan : nullptr) == Verdict::kRemove) {
+      if (gone || Judge(*it, b == before.end() ? nullptr : &b->second, scan ? &*scan : nullptr) ==
+                      Verdict::kRemove) {
         shm_unlink(("/" + *it).c_str());
         it = names.erase(it);
       } else {

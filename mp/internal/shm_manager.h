@@ -84,8 +84,8 @@ struct SegmentHeader {
   int32_t creator;
   std::atomic<int32_t> live_refs;  // sum of the blocks' counts, in-flight references included
   uint64_t pid_ns;                 // the creator's pid namespace (PidNamespaceId(), for the sweep)
-  std::atomic<int32_t> carrier_overflow;  // in-flight references whose carrier found no slot
-  uint32_t flags;                         // kSegmentDedicated
+  std::atomic<int32_t> carrier_overflow;   // in-flight references whose carrier found no slot
+  uint32_t flags;                          // kSegmentDedicated
   InFlightCarrier carriers[kMaxCarriers];  // in-flight references by the queue that holds them
 };
 static_assert(sizeof(SegmentHeader) <= 4096, "the segment header fits in its first page");

@@ -19,7 +19,8 @@ namespace {
 
 timespec ToMonotonic(Clock::time_point t) {
   // steady_clock is CLOCK_MONOTONIC on Linux/glibc.
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+  const auto ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
   timespec ts;
   ts.tv_sec = static_cast<time_t>(ns / 1000000000);
   ts.tv_nsec = static_cast<long>(ns % 1000000000);
@@ -60,8 +61,9 @@ LockResult RobustMutex::Lock(Deadline deadline) {
     const auto left = *deadline - Clock::now();
     timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
-    const long long ns = ts.tv_nsec + std::max<long long>(
-        0, std::chrono::duration_cast<std::chrono::nanoseconds>(left).count());
+    const long long ns =
+        ts.tv_nsec +
+        std::max<long long>(0, std::chrono::duration_cast<std::chrono::nanoseconds>(left).count());
     ts.tv_sec += static_cast<time_t>(ns / 1000000000);
     ts.tv_nsec = static_cast<long>(ns % 1000000000);
     do {
@@ -127,8 +129,8 @@ bool SharedCond::Wait(RobustMutex& mu, Deadline deadline, bool* owner_died) {
   }
   // FUTEX_WAIT_BITSET takes an absolute CLOCK_MONOTONIC deadline. Not FUTEX_PRIVATE: the word is
   // shared between processes.
-  const long rc = syscall(SYS_futex, &seq, FUTEX_WAIT_BITSET, seen, abs, nullptr,
-                          FUTEX_BITSET_MATCH_ANY);
+  const long rc =
+      syscall(SYS_futex, &seq, FUTEX_WAIT_BITSET, seen, abs, nullptr, FUTEX_BITSET_MATCH_ANY);
   const bool timed_out = rc == -1 && errno == ETIMEDOUT;
   __atomic_sub_fetch(&waiters, 1, __ATOMIC_ACQ_REL);
   if (mu.Lock() == LockResult::kOwnerDied && owner_died != nullptr) *owner_died = true;

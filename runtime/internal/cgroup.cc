@@ -21,8 +21,8 @@ std::vector<std::string_view> Split(std::string_view s, char sep) {
   size_t start = 0;
   for (;;) {
     const size_t at = s.find(sep, start);
-    out.push_back(s.substr(start, at == std::string_view::npos ? std::string_view::npos
-                                                                : at - start));
+    out.push_back(
+        s.substr(start, at == std::string_view::npos ? std::string_view::npos : at - start));
     if (at == std::string_view::npos) return out;
     start = at + 1;
   }
@@ -63,8 +63,7 @@ std::string Unescape(std::string_view s) {
   for (size_t i = 0; i < s.size(); ++i) {
     if (s[i] == '\\' && i + 3 < s.size()) {
       const std::string_view oct = s.substr(i + 1, 3);
-      if (std::all_of(oct.begin(), oct.end(),
-                                         [](char c) { return c >= '0' && c <= '7'; })) {
+      if (std::all_of(oct.begin(), oct.end(), [](char c) { return c >= '0' && c <= '7'; })) {
         out.push_back(static_cast<char>((oct[0] - '0') * 64 + (oct[1] - '0') * 8 + (oct[2] - '0')));
         i += 3;
         continue;
@@ -186,11 +185,12 @@ std::vector<CgroupPlace> LocateCgroups(std::string_view controller, const std::s
   std::vector<CgroupMount> mounts = ParseCgroupMounts(ReadSmallFile(root + "/proc/self/mountinfo"));
   if (mounts.empty()) {  // no mountinfo to go by: the usual places
     mounts.push_back({true, "/", "/sys/fs/cgroup", {}});
-    mounts.push_back({false, "/", "/sys/fs/cgroup/" + std::string(controller),
-                      {std::string(controller)}});
+    mounts.push_back(
+        {false, "/", "/sys/fs/cgroup/" + std::string(controller), {std::string(controller)}});
   }
   std::vector<CgroupPlace> out;
-  for (const CgroupMembership& member : ParseProcCgroup(ReadSmallFile(root + "/proc/self/cgroup"))) {
+  for (const CgroupMembership& member :
+       ParseProcCgroup(ReadSmallFile(root + "/proc/self/cgroup"))) {
     if (!member.v2 && !Has(member.controllers, controller)) continue;
     for (const CgroupMount& mount : mounts) {
       if (mount.v2 != member.v2 || (!mount.v2 && !Has(mount.controllers, controller))) continue;
@@ -218,8 +218,7 @@ CpuQuota ReadCpuQuota(const std::string& root) {
         consider(CpusFromCpuMax(ReadSmallFile(file)), file);
       } else {
         const std::string file = dir + "/cpu.cfs_quota_us";
-        consider(CpusFromCfs(ReadSmallFile(file), ReadSmallFile(dir + "/cpu.cfs_period_us")),
-                 file);
+        consider(CpusFromCfs(ReadSmallFile(file), ReadSmallFile(dir + "/cpu.cfs_period_us")), file);
       }
     }
   }

@@ -14,8 +14,8 @@ namespace {
 std::atomic<ForkCallback> g_prepare{nullptr};
 std::atomic<ForkCallback> g_parent{nullptr};
 std::atomic<ForkCallback> g_child{nullptr};
-std::atomic<int> g_count{0};               // registrations made (0: not even the first)
-std::atomic<bool> g_renewing{false};       // one renewal at a time (never waited for)
+std::atomic<int> g_count{0};          // registrations made (0: not even the first)
+std::atomic<bool> g_renewing{false};  // one renewal at a time (never waited for)
 
 // Per fork, on the forking thread (glibc runs a fork's handlers on it; several threads may fork
 // at once, and each counts its own).
@@ -60,9 +60,9 @@ struct Trio {
 
 template <size_t... N>
 constexpr auto MakeTrios(std::index_sequence<N...>) {
-  return std::array<Trio, sizeof...(N)>{
-      Trio{&PrepareAt<static_cast<int>(N)>, &ParentAt<static_cast<int>(N)>,
-           &ChildAt<static_cast<int>(N)>}...};
+  return std::array<Trio, sizeof...(N)>{Trio{&PrepareAt<static_cast<int>(N)>,
+                                             &ParentAt<static_cast<int>(N)>,
+                                             &ChildAt<static_cast<int>(N)>}...};
 }
 constexpr auto kTrios = MakeTrios(std::make_index_sequence<kMaxForkRegistrations>{});
 
@@ -100,8 +100,7 @@ int RenewForkRegistration() {
     // count that covers it (at worst a number without a registration, a harmless gap), never a
     // registration whose number its next renewal would use again.
     g_count.store(number + 1, std::memory_order_release);
-    if (pthread_atfork(kTrios[number].prepare, kTrios[number].parent, kTrios[number].child) ==
-        0) {
+    if (pthread_atfork(kTrios[number].prepare, kTrios[number].parent, kTrios[number].child) == 0) {
       made = number;
     }
   }

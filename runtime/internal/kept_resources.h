@@ -26,7 +26,7 @@ namespace forksafe::runtime::internal {
 
 /// What the library keeps now, each entry with the name of the component that keeps it.
 struct KeptResources {
-  std::vector<std::pair<int, std::string>> fds;       ///< Descriptor number.
+  std::vector<std::pair<int, std::string>> fds;         ///< Descriptor number.
   std::vector<std::pair<pid_t, std::string>> children;  ///< Child pid (running or not yet reaped).
   /// Shared mappings [start, end) of this process.
   std::vector<std::pair<std::pair<uintptr_t, uintptr_t>, std::string>> mappings;

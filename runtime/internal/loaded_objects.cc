@@ -77,8 +77,8 @@ namespace {
 
 // Whether symbol `index` is named `name`, defined here, a plain function or object, and the
 // default version (a hidden version, bit 0x8000 of its versym entry, is an older alias).
-const ElfW(Sym)* Match(const ElfW(Sym)* symtab, const char* strtab, const uint16_t* versym,
-                       uint32_t index, const char* name) {
+const ElfW(Sym) * Match(const ElfW(Sym) * symtab, const char* strtab, const uint16_t* versym,
+                        uint32_t index, const char* name) {
   const ElfW(Sym)& s = symtab[index];
   if (s.st_shndx == SHN_UNDEF || s.st_value == 0) return nullptr;
   const int type = ELF64_ST_TYPE(s.st_info);
@@ -104,8 +104,8 @@ void* LoadedObject::Find(const char* symbol) const {
     const uint32_t* chain = buckets + nbuckets;
     constexpr uint32_t kBits = sizeof(ElfW(Addr)) * 8;
     const ElfW(Addr) word = bloom[(h / kBits) % bloom_size];
-    const ElfW(Addr) mask = (ElfW(Addr){1} << (h % kBits)) |
-                            (ElfW(Addr){1} << ((h >> bloom_shift) % kBits));
+    const ElfW(Addr) mask =
+        (ElfW(Addr){1} << (h % kBits)) | (ElfW(Addr){1} << ((h >> bloom_shift) % kBits));
     if ((word & mask) != mask) return nullptr;  // certainly not defined here
     uint32_t i = buckets[h % nbuckets];
     if (i < symoffset) return nullptr;
@@ -163,8 +163,7 @@ int ReadStamp(dl_phdr_info* info, size_t size, void* data) {
 
 }  // namespace
 
-void ForEachLoadedObject(bool (*visit)(const LoadedObject& object, void* context),
-                         void* context) {
+void ForEachLoadedObject(bool (*visit)(const LoadedObject& object, void* context), void* context) {
   Walk walk{visit, context};
   dl_iterate_phdr(VisitOne, &walk);
 }

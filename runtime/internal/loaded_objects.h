@@ -67,10 +67,10 @@ class LoadedObject {
  private:
   friend struct LoadedObjectAccess;
   const char* path_ = "";
-  uintptr_t base_ = 0;                // the load bias (dlpi_addr)
-  const void* phdr_ = nullptr;        // ElfW(Phdr)[phnum_]
+  uintptr_t base_ = 0;          // the load bias (dlpi_addr)
+  const void* phdr_ = nullptr;  // ElfW(Phdr)[phnum_]
   int phnum_ = 0;
-  const void* symtab_ = nullptr;     // ElfW(Sym)[]
+  const void* symtab_ = nullptr;  // ElfW(Sym)[]
   const char* strtab_ = nullptr;
   const uint32_t* gnu_hash_ = nullptr;
   const uint32_t* sysv_hash_ = nullptr;
@@ -80,8 +80,7 @@ class LoadedObject {
 
 /// Calls `visit(object, context)` for each loaded object, in load order, until it returns
 /// false. See the hazards above for what `visit` may do.
-void ForEachLoadedObject(bool (*visit)(const LoadedObject& object, void* context),
-                         void* context);
+void ForEachLoadedObject(bool (*visit)(const LoadedObject& object, void* context), void* context);
 
 /// Whether [start, start + size) lies inside one PT_LOAD segment of `info`'s object (for a
 /// dl_iterate_phdr callback of its own; the same test as LoadedObject::Contains).

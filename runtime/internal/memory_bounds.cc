@@ -94,8 +94,8 @@ size_t RoundUpOrThrow(size_t n, size_t align, const char* what) {
   size_t out = 0;
   if (!CheckedRoundUp(n, align, &out)) {
     throw Error(ErrorCode::kResourceExhausted,
-                std::string(what) + ": " + std::to_string(n) + " bytes rounded up to a multiple of " +
-                    std::to_string(align) +
+                std::string(what) + ": " + std::to_string(n) +
+                    " bytes rounded up to a multiple of " + std::to_string(align) +
                     " do not fit in the address space (more than any machine can provide); "
                     "ask for less");
   }
@@ -135,7 +135,8 @@ std::vector<MemoryLimit> MemoryLimits(MemoryUse use) {
   if (use == MemoryUse::kSharedNamed) {
     struct statvfs vfs;
     if (statvfs("/dev/shm", &vfs) == 0) {
-      out.push_back({static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize, "the free space of /dev/shm",
+      out.push_back({static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize,
+                     "the free space of /dev/shm",
                      "free shared tensors, enlarge /dev/shm (mount -o remount,size=...), or use "
                      "the file_descriptor sharing strategy"});
     }
@@ -155,7 +156,8 @@ void CheckMemoryAgainst(uint64_t bytes, const std::vector<MemoryLimit>& limits,
   if (exceeded.empty()) return;
   std::stable_sort(exceeded.begin(), exceeded.end(),
                    [](const MemoryLimit* a, const MemoryLimit* b) { return a->bytes < b->bytes; });
-  std::string msg = what + ": " + std::to_string(bytes) + " bytes is more than this system can provide: ";
+  std::string msg =
+      what + ": " + std::to_string(bytes) + " bytes is more than this system can provide: ";
   for (size_t i = 0; i < exceeded.size(); ++i) {
     if (i > 0) msg += "; ";
     msg += exceeded[i]->name + " is " + std::to_string(exceeded[i]->bytes) + " bytes (" +

@@ -20,8 +20,8 @@
 //
 // Guarantees
 //   - Errors: Error(kResourceExhausted) naming what was asked for, the size, each limit that is
-//     exceeded (its name and value, tightest first) and what to do. Rounding that would not fit in size_t is
-//     kResourceExhausted too (no machine has that much memory).
+//     exceeded (its name and value, tightest first) and what to do. Rounding that would not fit in
+//     size_t is kResourceExhausted too (no machine has that much memory).
 //   - The limits are read anew on every call (a few small reads of /proc and /sys; no allocation
 //     of the size asked for); requests under kFullCheckFrom (64 MiB) look at the RLIMIT_* bounds
 //     only (a system call each). A limit that cannot be read is skipped, never guessed.

@@ -23,8 +23,9 @@
 //   - ResetAfterFork() and CondVar::ResetAfterFork() are for a forked child's handlers only: on a
 //     mutex with waiters or an owner in this process they corrupt it.
 //   - The analysis is static and local: it does not follow a lock taken through a pointer it cannot
-//     name, and `FORKSAFE_NO_THREAD_SAFETY_ANALYSIS` turns it off for a function. Use the latter only
-//     where a comment says why the access is safe (a forked child with one thread, a constructor).
+//     name, and `FORKSAFE_NO_THREAD_SAFETY_ANALYSIS` turns it off for a function. Use the latter
+//     only where a comment says why the access is safe (a forked child with one thread, a
+//     constructor).
 #ifndef FORKSAFE_RUNTIME_INTERNAL_MUTEX_H_
 #define FORKSAFE_RUNTIME_INTERNAL_MUTEX_H_
 

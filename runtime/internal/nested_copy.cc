@@ -45,8 +45,8 @@ void ForEachNested(F&& f) {
 // The primary calls every entry point of one fork on the forking thread, so per-fork state is
 // thread-local: two forks (on two threads, one after the other) never share it.
 
-thread_local bool t_fork_open = false;  // the primary's fork has started calling this copy
-thread_local bool t_held = false;       // this copy's registry is prepared (mu_ held) for it
+thread_local bool t_fork_open = false;     // the primary's fork has started calling this copy
+thread_local bool t_held = false;          // this copy's registry is prepared (mu_ held) for it
 thread_local bool t_report_fresh = false;  // current_ was reset for this fork
 thread_local uint64_t t_fork_number = 0;
 thread_local Clock::time_point t_started{};
@@ -144,8 +144,8 @@ struct __attribute__((visibility("hidden"))) NestedCopy {
     if (!t_held) return;
     AtForkRegistry& r = internal::ThisRegistry();
     r.mu_.AssertHeld();  // t_held: this thread took it in Prepare
-    r.TakeFrameworkLock(std::min(internal::FromNs(deadline_ns),
-                                 Clock::now() + r.options_.framework_lock_timeout));
+    r.TakeFrameworkLock(
+        std::min(internal::FromNs(deadline_ns), Clock::now() + r.options_.framework_lock_timeout));
   }
 
   static void Parent() noexcept {
@@ -221,8 +221,8 @@ void SayRunsSeparately(const forksafe_instance_v1& primary, const char* why) {
           "%s (%s); it makes its own pthread_atfork registration, so forks are not coordinated "
           "between the two copies. Link forksafe once per process (libforksafe.so); see "
           "forksafe/runtime/at_fork.h, \"One registry per process\"\n",
-          FORKSAFE_VERSION_STRING, internal::ThisInstance().object, primary.version,
-          primary.object, why);
+          FORKSAFE_VERSION_STRING, internal::ThisInstance().object, primary.version, primary.object,
+          why);
 }
 }  // namespace
 
@@ -292,8 +292,9 @@ int NestInThisCopy(const forksafe_nested_v1* nested, char* error, size_t error_s
       return refuse("its nesting table is smaller than this copy's ABI expects");
     }
     if (!PinThisCopy()) {
-      return refuse("the primary's object could not be pinned with dlopen(RTLD_NOLOAD | "
-                    "RTLD_NODELETE), so a dlclose could unmap code that the nested copy calls");
+      return refuse(
+          "the primary's object could not be pinned with dlopen(RTLD_NOLOAD | "
+          "RTLD_NODELETE), so a dlclose could unmap code that the nested copy calls");
     }
     const int slot = g_nested_claimed.fetch_add(1, std::memory_order_acq_rel);
     if (slot >= kMaxNestedCopies) {
@@ -304,8 +305,9 @@ int NestInThisCopy(const forksafe_nested_v1* nested, char* error, size_t error_s
     AtForkHandler h;
     h.name = nested->name != nullptr ? nested->name : "forksafe copy";
     h.prepare = [nested](const PrepareAttempt& a) {
-      const forksafe_attempt_v1 c{sizeof(forksafe_attempt_v1), a.number, a.last ? 1 : 0,
-                                  a.fork_number, ToNs(a.deadline), ToNs(a.wait_until)};
+      const forksafe_attempt_v1 c{
+          sizeof(forksafe_attempt_v1), a.number, a.last ? 1 : 0, a.fork_number, ToNs(a.deadline),
+          ToNs(a.wait_until)};
       return nested->prepare(&c) != 0;
     };
     h.parent = [nested](bool) {

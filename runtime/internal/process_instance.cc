@@ -16,7 +16,8 @@ extern "C" {
 // This copy's table. Defined hidden, so that this copy's own code always reaches its own table (a
 // reference through the exported name could bind to another copy's: ELF interposition), and
 // exported under the public name by the alias below.
-__attribute__((visibility("hidden"), used)) forksafe_instance_v1 forksafe_process_instance_v1_self = {
+__attribute__((visibility("hidden"), used))
+forksafe_instance_v1 forksafe_process_instance_v1_self = {
     FORKSAFE_INSTANCE_MAGIC,
     FORKSAFE_INSTANCE_ABI,
     sizeof(forksafe_instance_v1),
@@ -216,9 +217,9 @@ __attribute__((constructor, visibility("hidden"))) void CheckThisCopyIsNotInterp
   if (reached == &ThisInstance()) return;
   link_map* there = ObjectHolding(reached);
   FindThisObjectsFile();
-  const char* other = there == nullptr                                   ? "another object"
+  const char* other = there == nullptr                                       ? "another object"
                       : there->l_name != nullptr && there->l_name[0] != '\0' ? there->l_name
-                                                                          : "the program";
+                                                                             : "the program";
   fprintf(stderr,
           "forksafe: the copy of forksafe linked into %s calls the forksafe functions of %s "
           "(ELF symbol interposition: that copy's C++ symbols are in the process's global "

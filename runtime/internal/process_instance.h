@@ -74,12 +74,12 @@ enum {
 
 /// What the primary passes to a nested copy's prepare (one PrepareAttempt).
 typedef struct forksafe_attempt_v1 {
-  uint32_t struct_size;  // sizeof(forksafe_attempt_v1) of the primary
-  int32_t number;        // 1-based attempt of the primary
-  int32_t last;          // nonzero on the last attempt: the nested copy must not refuse then
-  uint64_t fork_number;  // the primary's fork number
-  int64_t deadline_ns;   // the fork's prepare deadline
-  int64_t wait_until_ns; // how long this prepare may block
+  uint32_t struct_size;   // sizeof(forksafe_attempt_v1) of the primary
+  int32_t number;         // 1-based attempt of the primary
+  int32_t last;           // nonzero on the last attempt: the nested copy must not refuse then
+  uint64_t fork_number;   // the primary's fork number
+  int64_t deadline_ns;    // the fork's prepare deadline
+  int64_t wait_until_ns;  // how long this prepare may block
 } forksafe_attempt_v1;
 
 /// A nested copy's entry points, called by the primary on the forking thread; none of them throws

@@ -9,7 +9,8 @@
 //   - Never a seeded generator: a forked child does not repeat its parent's values, and a value
 //     cannot be guessed from earlier ones (names of shared memory and secrets rely on it).
 //   - Errors: a getrandom() failure other than EINTR throws Error(kInternal) with errno; there is
-//     no weaker fallback (an id that another process could predict or repeat is worse than an error).
+//     no weaker fallback (an id that another process could predict or repeat is worse than an
+//     error).
 //   - Thread safety: every function may be called from any thread, also in a forked child.
 #ifndef FORKSAFE_RUNTIME_INTERNAL_RANDOM_H_
 #define FORKSAFE_RUNTIME_INTERNAL_RANDOM_H_

@@ -54,9 +54,9 @@ CudaBackend& Cuda() { return static_cast<CudaBackend&>(GetBackend(DeviceType::kC
 
 bool HasGpu() { return Cuda().DeviceCount() > 0; }
 
-#define SKIP_WITHOUT_GPU()                                                                 \
-  do {                                                                                     \
-    if (!HasGpu()) GTEST_SKIP() << Cuda().UnavailableReason();                             \
+#define SKIP_WITHOUT_GPU()                                     \
+  do {                                                         \
+    if (!HasGpu()) GTEST_SKIP() << Cuda().UnavailableReason(); \
   } while (0)
 
 template <typename Fn>
@@ -73,10 +73,9 @@ void ExpectError(Fn fn, ErrorCode code, const std::string& needle) {
 
 // One of the causes the backend names when there is no device.
 bool NamesACause(const std::string& msg) {
-  for (const char* cause :
-       {"libcuda.so.1 not found", "built without the CUDA Toolkit headers", "cuInit failed",
-        "NVML reports no", "CUDA_VISIBLE_DEVICES hides", "cuDeviceGetCount reports no device",
-        "did not answer"}) {
+  for (const char* cause : {"libcuda.so.1 not found", "built without the CUDA Toolkit headers",
+                            "cuInit failed", "NVML reports no", "CUDA_VISIBLE_DEVICES hides",
+                            "cuDeviceGetCount reports no device", "did not answer"}) {
     if (msg.find(cause) != std::string::npos) return true;
   }
   return false;
@@ -181,7 +180,8 @@ TEST(CudaBackendTest, WithoutDevicesAForkedChildIsFine) {
 
 std::vector<unsigned char> Pattern(size_t n, unsigned seed) {
   std::vector<unsigned char> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = static_cast<unsigned char>((i * 131 + seed * 7 + i / 251) & 0xFF);
+  for (size_t i = 0; i < n; ++i)
+    v[i] = static_cast<unsigned char>((i * 131 + seed * 7 + i / 251) & 0xFF);
   return v;
 }
 
@@ -223,9 +223,9 @@ forksafe::testing::ChildResult SpawnHelper(const std::string& role, const std::s
     const std::string kv(*e);
     // Bazel's files of this test must not be overwritten by the helper's GoogleTest.
     bool drop = false;
-    for (const char* p : {"XML_OUTPUT_FILE=", "GTEST_OUTPUT=", "TEST_PREMATURE_EXIT_FILE=",
-                          "GTEST_SHARD_", "TEST_SHARD_", "TEST_TOTAL_SHARDS=",
-                          "FORKSAFE_CUDA_TEST_"}) {
+    for (const char* p :
+         {"XML_OUTPUT_FILE=", "GTEST_OUTPUT=", "TEST_PREMATURE_EXIT_FILE=", "GTEST_SHARD_",
+          "TEST_SHARD_", "TEST_TOTAL_SHARDS=", "FORKSAFE_CUDA_TEST_"}) {
       drop = drop || kv.rfind(p, 0) == 0;
     }
     if (!drop) env.push_back(kv);
@@ -303,7 +303,8 @@ TEST(CudaHelper, Run) {
   const char* role_env = getenv("FORKSAFE_CUDA_TEST_ROLE");
   if (role_env == nullptr) GTEST_SKIP() << "a helper process of the CUDA tests, not a test";
   const std::string role = role_env;
-  const std::string args = getenv("FORKSAFE_CUDA_TEST_ARGS") ? getenv("FORKSAFE_CUDA_TEST_ARGS") : "";
+  const std::string args =
+      getenv("FORKSAFE_CUDA_TEST_ARGS") ? getenv("FORKSAFE_CUDA_TEST_ARGS") : "";
   CudaBackend& b = Cuda();
   ASSERT_EQ(b.state(), BackendState::kUninitialized) << "a spawned process starts fresh";
   if (role == "import") {  // args: an IpcMemoryHandle whose fd is kPassedFd
@@ -410,7 +411,8 @@ TEST(CudaHelper, Run) {
   }
 }
 
-// ---- with a GPU -----------------------------------------------------------------------------------
+// ---- with a GPU
+// -----------------------------------------------------------------------------------
 
 TEST(CudaGpuTest, AllocateCopyMemsetRoundTrips) {
   SKIP_WITHOUT_GPU();
@@ -627,7 +629,7 @@ TEST(CudaGpuTest, ExportDescriptorsAreKeptWithinBounds) {
   CudaBackend& b = Cuda();
   b.EmptyCache(0);
   const size_t before = b.Stats(0).export_fds;  // segments earlier tests still hold
-  constexpr int kBlocks = 260;  // a segment each (over 1 MiB)
+  constexpr int kBlocks = 260;                  // a segment each (over 1 MiB)
   const size_t n = 3 << 20;
   std::vector<void*> blocks;
   for (int i = 0; i < kBlocks; ++i) {
@@ -700,7 +702,8 @@ TEST(CudaGpuTest, IdleImportsStayMappedWithinBounds) {
   EXPECT_EQ(b.Stats(0).imported_segments, static_cast<size_t>(kCount));
   EXPECT_EQ(b.Stats(0).idle_imports, 0u);
   for (int i = 0; i < kCount; ++i) {
-    EXPECT_EQ(ReadBack(ps[static_cast<size_t>(i)], 4096), Pattern(4096, 1 + static_cast<unsigned>(i)))
+    EXPECT_EQ(ReadBack(ps[static_cast<size_t>(i)], 4096),
+              Pattern(4096, 1 + static_cast<unsigned>(i)))
         << "segment " << i;
     b.ReleaseImported(0, ps[static_cast<size_t>(i)]);
   }

@@ -198,35 +198,39 @@ TEST(DeviceForkTest, ChildDefaultsToCpuAndSimIsPoisoned) {
   void* p = Allocate(d1, 64);  // the parent uses the accelerator
   SetDefaultDevice(d1);
   SetCurrentDevice(d1);
-  auto child = RunInChild([&] {
-    if (DefaultDevice() != kCPU) return 1;
-    if (CurrentDevice() != kCPU) return 2;
-    if (!Sim().poisoned()) return 3;
-    // Queries still work and do not throw.
-    if (DeviceCount(DeviceType::kSimAccel) != 2) return 4;
-    if (GetBackend(DeviceType::kSimAccel).Properties(1).total_memory == 0) return 5;
-    try {
-      Allocate(d1, 64);
-      return 6;
-    } catch (const Error& e) {
-      const std::string m = e.what();
-      if (e.code() != ErrorCode::kForkPoisoned) return 7;
-      if (m.find("spawn") == std::string::npos || m.find("forkserver") == std::string::npos) return 8;
-      if (m.find(std::to_string(getppid())) == std::string::npos) return 9;
-    }
-    try {
-      char c;
-      Copy(&c, kCPU, p, d1, 1);
-      return 10;
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::kForkPoisoned) return 11;
-    }
-    // CPU work is fine, and so is a grandchild, which is poisoned too.
-    void* h = Allocate(kCPU, 128);
-    Free(kCPU, h);
-    auto gc = RunInChild([] { return Sim().poisoned() && DefaultDevice() == kCPU ? 0 : 1; }, 10s);
-    return gc.ok() ? 0 : 12;
-  }, 20s);
+  auto child = RunInChild(
+      [&] {
+        if (DefaultDevice() != kCPU) return 1;
+        if (CurrentDevice() != kCPU) return 2;
+        if (!Sim().poisoned()) return 3;
+        // Queries still work and do not throw.
+        if (DeviceCount(DeviceType::kSimAccel) != 2) return 4;
+        if (GetBackend(DeviceType::kSimAccel).Properties(1).total_memory == 0) return 5;
+        try {
+          Allocate(d1, 64);
+          return 6;
+        } catch (const Error& e) {
+          const std::string m = e.what();
+          if (e.code() != ErrorCode::kForkPoisoned) return 7;
+          if (m.find("spawn") == std::string::npos || m.find("forkserver") == std::string::npos)
+            return 8;
+          if (m.find(std::to_string(getppid())) == std::string::npos) return 9;
+        }
+        try {
+          char c;
+          Copy(&c, kCPU, p, d1, 1);
+          return 10;
+        } catch (const Error& e) {
+          if (e.code() != ErrorCode::kForkPoisoned) return 11;
+        }
+        // CPU work is fine, and so is a grandchild, which is poisoned too.
+        void* h = Allocate(kCPU, 128);
+        Free(kCPU, h);
+        auto gc =
+            RunInChild([] { return Sim().poisoned() && DefaultDevice() == kCPU ? 0 : 1; }, 10s);
+        return gc.ok() ? 0 : 12;
+      },
+      20s);
   EXPECT_TRUE(child.ok()) << child.Describe();
   // The parent is untouched.
   EXPECT_EQ(DefaultDevice(), d1);
@@ -245,17 +249,19 @@ TEST(DeviceForkTest, QueriesDoNotInitializeAndAnUninitializedBackendWorksInAChil
   EXPECT_EQ(sim.DeviceCount(), 2);
   EXPECT_FALSE(sim.Properties(0).name.empty());
   EXPECT_EQ(sim.state(), BackendState::kUninitialized) << "queries must not initialize";
-  auto child = RunInChild([&] {
-    if (sim.state() != BackendState::kUninitialized) return 1;
-    sim.OnForkChild();  // what the registry does for registered backends
-    if (sim.poisoned()) return 2;  // never initialized in the parent: usable here
-    void* p = sim.Allocate(0, 64);
-    char in[64] = "hello", out[64] = {};
-    sim.Copy(p, Device(DeviceType::kSimAccel, 0), in, kCPU, 64);
-    sim.Copy(out, kCPU, p, Device(DeviceType::kSimAccel, 0), 64);
-    sim.Free(0, p);
-    return std::strcmp(out, "hello") == 0 && sim.context_owner() == getpid() ? 0 : 3;
-  }, 20s);
+  auto child = RunInChild(
+      [&] {
+        if (sim.state() != BackendState::kUninitialized) return 1;
+        sim.OnForkChild();             // what the registry does for registered backends
+        if (sim.poisoned()) return 2;  // never initialized in the parent: usable here
+        void* p = sim.Allocate(0, 64);
+        char in[64] = "hello", out[64] = {};
+        sim.Copy(p, Device(DeviceType::kSimAccel, 0), in, kCPU, 64);
+        sim.Copy(out, kCPU, p, Device(DeviceType::kSimAccel, 0), 64);
+        sim.Free(0, p);
+        return std::strcmp(out, "hello") == 0 && sim.context_owner() == getpid() ? 0 : 3;
+      },
+      20s);
   EXPECT_TRUE(child.ok()) << child.Describe();
   EXPECT_EQ(sim.state(), BackendState::kUninitialized);
 }

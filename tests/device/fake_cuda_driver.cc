@@ -20,13 +20,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -47,9 +47,7 @@ static int Devs() {
   return v ? atoi(v) : 1;
 }
 extern "C" {
-CUresult cuInit(unsigned) {
-  return Devs() > 0 ? 0 : 100;
-}
+CUresult cuInit(unsigned) { return Devs() > 0 ? 0 : 100; }
 CUresult cuGetErrorName(CUresult r, const char** s) {
   static thread_local char b[64];
   snprintf(b, 64, "CUDA_ERROR_FAKE_%d", r);
@@ -89,9 +87,7 @@ CUresult cuDevicePrimaryCtxRetain(void** c, int d) {
   *c = reinterpret_cast<void*>(uintptr_t(0x1000 + d));
   return 0;
 }
-CUresult cuCtxSetCurrent(void*) {
-  return 0;
-}
+CUresult cuCtxSetCurrent(void*) { return 0; }
 // Streams and events hold when their work is done (steady-clock nanoseconds; 0: nothing queued).
 struct Timeline {
   std::atomic<int64_t> done_at{0};
@@ -162,9 +158,7 @@ CUresult cuMemUnmap(DP p, size_t size) {
        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   return 0;
 }
-CUresult cuMemSetAccess(DP, size_t, const void*, size_t) {
-  return 0;
-}
+CUresult cuMemSetAccess(DP, size_t, const void*, size_t) { return 0; }
 CUresult cuMemExportToShareableHandle(void* out, unsigned long long h, int, unsigned long long) {
   // As the real driver (580): an imported handle cannot be exported again.
   if (reinterpret_cast<Alloc*>(h)->imported) return 1;  // CUDA_ERROR_INVALID_VALUE

@@ -23,10 +23,10 @@
 namespace forksafe {
 namespace {
 
-using forksafe::testing::ChildResult;
-using forksafe::testing::RunInChild;
-using forksafe::testing::PoolSum;
 using forksafe::testing::BusyParent;
+using forksafe::testing::ChildResult;
+using forksafe::testing::PoolSum;
+using forksafe::testing::RunInChild;
 using forksafe::testing::TbbSum;
 using namespace std::chrono_literals;
 
@@ -96,14 +96,15 @@ TEST(ForkStormTest, HundredsOfForksUnderLoad) {
   EXPECT_GT(busy.tbb_rounds.load(), 0);
   const runtime::TbbForkStats tbb = runtime::GetTbbForkStats();
   const runtime::ThreadPoolStats ps = pool.stats();
-  printf("storm: %d forks, %ld tasks, %ld oneTBB rounds in the parent; oneTBB finalized %llu, "
-         "refused %llu, gave up %llu; pool drained %llu, deadline hits %llu\n",
-         total.load(), busy.completed.load(), busy.tbb_rounds.load(),
-         static_cast<unsigned long long>(tbb.finalized),
-         static_cast<unsigned long long>(tbb.finalize_refused),
-         static_cast<unsigned long long>(tbb.gave_up),
-         static_cast<unsigned long long>(ps.forks_drained),
-         static_cast<unsigned long long>(ps.drain_timeouts));
+  printf(
+      "storm: %d forks, %ld tasks, %ld oneTBB rounds in the parent; oneTBB finalized %llu, "
+      "refused %llu, gave up %llu; pool drained %llu, deadline hits %llu\n",
+      total.load(), busy.completed.load(), busy.tbb_rounds.load(),
+      static_cast<unsigned long long>(tbb.finalized),
+      static_cast<unsigned long long>(tbb.finalize_refused),
+      static_cast<unsigned long long>(tbb.gave_up),
+      static_cast<unsigned long long>(ps.forks_drained),
+      static_cast<unsigned long long>(ps.drain_timeouts));
   RecordProperty("forks", total.load());
   RecordProperty("tbb_gave_up", static_cast<int>(tbb.gave_up));
   EXPECT_EQ(ps.drain_timeouts, 0u);

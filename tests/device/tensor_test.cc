@@ -55,9 +55,9 @@ void ExpectError(Fn&& fn, ErrorCode code, const std::string& needle) {
   }
 }
 
-#define EXPECT_ERROR(code, needle, ...)                 \
-  do {                                                  \
-    SCOPED_TRACE(#__VA_ARGS__);                         \
+#define EXPECT_ERROR(code, needle, ...)                      \
+  do {                                                       \
+    SCOPED_TRACE(#__VA_ARGS__);                              \
     ExpectError([&] { (void)(__VA_ARGS__); }, code, needle); \
   } while (0)
 
@@ -159,7 +159,9 @@ TEST(StorageTest, ZeroByteStorages) {
   EXPECT_EQ(sim0.device(), kSim1);
   EXPECT_EQ(Sim().BytesInUse(1), before);
   int calls = 0;
-  { Storage ext = Storage::FromExternal(kCPU, nullptr, 0, [&](void*) { ++calls; }); }
+  {
+    Storage ext = Storage::FromExternal(kCPU, nullptr, 0, [&](void*) { ++calls; });
+  }
   EXPECT_EQ(calls, 1);  // the deleter runs even for an empty block
 }
 
@@ -323,9 +325,9 @@ TEST(DTypeTest, SizesNamesAndSixteenBitConversions) {
   EXPECT_EQ(Float16Bits(1.0f), 0x3C00);
   EXPECT_EQ(Float16Bits(-2.0f), 0xC000);
   EXPECT_EQ(Float16Bits(65504.0f), 0x7BFF);
-  EXPECT_EQ(Float16Bits(1e5f), 0x7C00);                 // overflow -> infinity
-  EXPECT_EQ(Float16Bits(std::ldexp(1.0f, -24)), 0x0001);  // smallest subnormal
-  EXPECT_EQ(Float16Bits(0.1f), 0x2E66);                 // rounded to nearest
+  EXPECT_EQ(Float16Bits(1e5f), 0x7C00);                          // overflow -> infinity
+  EXPECT_EQ(Float16Bits(std::ldexp(1.0f, -24)), 0x0001);         // smallest subnormal
+  EXPECT_EQ(Float16Bits(0.1f), 0x2E66);                          // rounded to nearest
   EXPECT_EQ(Float16Bits(1.0f + std::ldexp(1.0f, -11)), 0x3C00);  // tie rounds to even
   EXPECT_EQ(Float16Bits(std::numeric_limits<float>::infinity()), 0x7C00);
   EXPECT_TRUE(std::isnan(Float16ToFloat(Float16Bits(std::nanf("")))));
@@ -383,8 +385,7 @@ TEST(TensorTest, ZerosAndFullOnCpuAndSim) {
               std::vector<int64_t>(2, 1000000000000));
     EXPECT_EQ(Tensor::Full({3}, 255, DType::kUInt8, d).ToVector<uint8_t>(),
               std::vector<uint8_t>(3, 255));
-    EXPECT_EQ(Tensor::Full({3}, 2.5, DType::kBool, d).ToVector<bool>(),
-              std::vector<bool>(3, true));
+    EXPECT_EQ(Tensor::Full({3}, 2.5, DType::kBool, d).ToVector<bool>(), std::vector<bool>(3, true));
     EXPECT_EQ(Tensor::Zeros({3}, DType::kBool, d).ToVector<bool>(), std::vector<bool>(3, false));
     EXPECT_EQ(Tensor::Full({2}, 0.25, DType::kFloat64, d).ToVector<double>(),
               std::vector<double>(2, 0.25));
@@ -468,13 +469,12 @@ TEST(TensorTest, StridedToVectorOnCpuAndSim) {
     SCOPED_TRACE(d.ToString());
     Tensor t = Tensor::FromVector(Iota(24), {2, 3, 4}, d);
     EXPECT_EQ(t.Transpose(0, 2).ToVector<float>(),
-              (std::vector<float>{0, 12, 4, 16, 8, 20, 1, 13, 5, 17, 9, 21,
+              (std::vector<float>{0, 12, 4, 16, 8,  20, 1, 13, 5, 17, 9,  21,
                                   2, 14, 6, 18, 10, 22, 3, 15, 7, 19, 11, 23}));
     EXPECT_EQ(t.Select(2, 1).ToVector<float>(), (std::vector<float>{1, 5, 9, 13, 17, 21}));
     EXPECT_EQ(t.Slice(2, 0, 4, 3).Select(0, 1).ToVector<float>(),
               (std::vector<float>{12, 15, 16, 19, 20, 23}));
-    EXPECT_EQ(t.Select(0, 1).Select(0, 2).ToVector<float>(),
-              (std::vector<float>{20, 21, 22, 23}));
+    EXPECT_EQ(t.Select(0, 1).Select(0, 2).ToVector<float>(), (std::vector<float>{20, 21, 22, 23}));
     EXPECT_EQ(t.Select(1, -1).Transpose(0, 1).Slice(0, 1, 3).ToVector<float>(),
               (std::vector<float>{9, 21, 10, 22}));
     EXPECT_EQ(t.Select(0, 1).Select(0, 0).Select(0, 3).ToVector<float>(),
@@ -535,8 +535,8 @@ TEST(TensorTest, ToRoundTripsThroughTheSimulatedAccelerator) {
   Tensor st = host.Transpose(0, 1).Slice(0, 0, 5, 2).To(kSim1);
   EXPECT_TRUE(st.is_contiguous());
   EXPECT_EQ(st.shape(), (std::vector<int64_t>{3, 4}));
-  EXPECT_EQ(st.ToVector<float>(), (std::vector<float>{-100, 6, 11, 16, 3, 8, 13, 18, 5, 10, 15,
-                                                      20}));
+  EXPECT_EQ(st.ToVector<float>(),
+            (std::vector<float>{-100, 6, 11, 16, 3, 8, 13, 18, 5, 10, 15, 20}));
   Tensor sv = s0.Transpose(0, 1).To(kCPU);
   EXPECT_EQ(sv.item<float>({4, 3}), 20.f);
   EXPECT_EQ(Tensor::Empty({0}, DType::kInt32, kCPU).To(kSim0).numel(), 0);
@@ -598,14 +598,15 @@ TEST(TensorErrorsTest, CreationErrors) {
   EXPECT_ERROR(ErrorCode::kInvalidArgument, "sim:5 does not exist",
                Tensor::Empty({1}, DType::kFloat32, Device(DeviceType::kSimAccel, 5)));
   // Infinity is a value float dtypes can hold.
-  EXPECT_TRUE(std::isinf(
-      Tensor::Full({1}, std::numeric_limits<double>::infinity(), DType::kFloat32, kCPU)
-          .item<float>({0})));
+  EXPECT_TRUE(
+      std::isinf(Tensor::Full({1}, std::numeric_limits<double>::infinity(), DType::kFloat32, kCPU)
+                     .item<float>({0})));
 }
 
 TEST(TensorErrorsTest, ElementAccessErrors) {
   Tensor t = Tensor::FromVector(std::vector<int32_t>{1, 2, 3, 4, 5, 6}, {2, 3});
-  EXPECT_ERROR(ErrorCode::kInvalidArgument, "item<float>: the tensor's dtype is int32; use item<int32_t>",
+  EXPECT_ERROR(ErrorCode::kInvalidArgument,
+               "item<float>: the tensor's dtype is int32; use item<int32_t>",
                t.item<float>({0, 0}));
   EXPECT_ERROR(ErrorCode::kInvalidArgument, "set<int64_t>: the tensor's dtype is int32",
                t.set<int64_t>({0, 0}, 1));
@@ -676,9 +677,9 @@ TEST(TensorErrorsTest, FromStorageErrors) {
                Tensor::FromStorage(s, DType::kFloat32, {2}, std::nullopt, -1));
   EXPECT_ERROR(ErrorCode::kInvalidArgument, "negative extent",
                Tensor::FromStorage(s, DType::kFloat32, {-2}));
-  EXPECT_ERROR(ErrorCode::kInvalidArgument, "more than 2^63",
-               Tensor::FromStorage(s, DType::kFloat32, {3},
-                                   std::vector<int64_t>{int64_t{1} << 62}));
+  EXPECT_ERROR(
+      ErrorCode::kInvalidArgument, "more than 2^63",
+      Tensor::FromStorage(s, DType::kFloat32, {3}, std::vector<int64_t>{int64_t{1} << 62}));
 }
 
 // ---- DLPack ---------------------------------------------------------------------------------
@@ -810,7 +811,10 @@ TEST(DLPackTest, RoundTripCallsEachDeleterExactlyOnce) {
     EXPECT_EQ(t->item<int64_t>({1, 3}), -5);
     t->set<int64_t>({0, 0}, 99);
     EXPECT_EQ(u->item<int64_t>({0, 0}), 99);
-    if (drop_original_first) t.reset(); else u.reset();
+    if (drop_original_first)
+      t.reset();
+    else
+      u.reset();
     EXPECT_EQ(releases.load(), 0);
     if (drop_original_first) {
       EXPECT_EQ(u->ToVector<int64_t>(), (std::vector<int64_t>{99, 10, 20, 30, 40, 50, 60, -5}));
@@ -847,11 +851,11 @@ TEST(DLPackTest, DTypesRoundTrip) {
     uint8_t code;
     uint8_t bits;
   };
-  for (const Case& c : {Case{DType::kFloat32, kDLFloat, 32}, Case{DType::kFloat64, kDLFloat, 64},
-                        Case{DType::kInt32, kDLInt, 32}, Case{DType::kInt64, kDLInt, 64},
-                        Case{DType::kUInt8, kDLUInt, 8}, Case{DType::kBool, kDLBoolCode, 8},
-                        Case{DType::kFloat16, kDLFloat, 16},
-                        Case{DType::kBFloat16, kDLBfloat, 16}}) {
+  for (const Case& c :
+       {Case{DType::kFloat32, kDLFloat, 32}, Case{DType::kFloat64, kDLFloat, 64},
+        Case{DType::kInt32, kDLInt, 32}, Case{DType::kInt64, kDLInt, 64},
+        Case{DType::kUInt8, kDLUInt, 8}, Case{DType::kBool, kDLBoolCode, 8},
+        Case{DType::kFloat16, kDLFloat, 16}, Case{DType::kBFloat16, kDLBfloat, 16}}) {
     SCOPED_TRACE(DTypeName(c.dtype));
     Tensor t = Tensor::Full({3}, 1, c.dtype, kCPU);
     DLManagedTensor* m = ToDLPack(t);
@@ -914,7 +918,10 @@ TEST(DLPackTest, BadImportsLeaveOwnershipWithTheCaller) {
   dl.data = saved;
 
   EXPECT_EQ(deletes.load(), 0);  // no failed import called the deleter
-  { Tensor t = FromDLPack(m); EXPECT_EQ(t.ToVector<float>(), Iota(4)); }
+  {
+    Tensor t = FromDLPack(m);
+    EXPECT_EQ(t.ToVector<float>(), Iota(4));
+  }
   EXPECT_EQ(deletes.load(), 1);
 }
 
@@ -924,19 +931,21 @@ TEST(TensorForkTest, CpuTensorsAreReadableInAForkedChild) {
   Tensor t = Tensor::FromVector(Iota(12), {3, 4});
   std::atomic<int> deletes{0};
   Tensor imported = FromDLPack(MakeForeign(Iota(3, 100), {3}, {}, 0, &deletes));
-  auto child = RunInChild([&] {
-    if (t.ToVector<float>() != Iota(12)) return 1;
-    if (t.Transpose(0, 1).ToVector<float>()[1] != 4.f) return 2;
-    if (t.item<float>({2, 3}) != 11.f) return 3;
-    if (imported.item<float>({2}) != 102.f) return 4;
-    t.set<float>({0, 0}, -1.f);  // the child's own copy-on-write page
-    if (t.item<float>({0, 0}) != -1.f) return 5;
-    if (t.To(kCPU).Clone().item<float>({0, 0}) != -1.f) return 6;
-    if (CurrentDevice() != kCPU || Tensor::Zeros({2}).device() != kCPU) return 7;
-    t = Tensor();  // releasing in the child is fine too
-    imported = Tensor();
-    return deletes.load() == 1 ? 0 : 8;
-  }, 20s);
+  auto child = RunInChild(
+      [&] {
+        if (t.ToVector<float>() != Iota(12)) return 1;
+        if (t.Transpose(0, 1).ToVector<float>()[1] != 4.f) return 2;
+        if (t.item<float>({2, 3}) != 11.f) return 3;
+        if (imported.item<float>({2}) != 102.f) return 4;
+        t.set<float>({0, 0}, -1.f);  // the child's own copy-on-write page
+        if (t.item<float>({0, 0}) != -1.f) return 5;
+        if (t.To(kCPU).Clone().item<float>({0, 0}) != -1.f) return 6;
+        if (CurrentDevice() != kCPU || Tensor::Zeros({2}).device() != kCPU) return 7;
+        t = Tensor();  // releasing in the child is fine too
+        imported = Tensor();
+        return deletes.load() == 1 ? 0 : 8;
+      },
+      20s);
   EXPECT_TRUE(child.ok()) << child.Describe();
   EXPECT_EQ(t.item<float>({0, 0}), 0.f);  // the child's write stayed in the child
   EXPECT_EQ(deletes.load(), 0);
@@ -944,37 +953,39 @@ TEST(TensorForkTest, CpuTensorsAreReadableInAForkedChild) {
 
 TEST(TensorForkTest, SimTensorsArePoisonedInAForkedChild) {
   Tensor t = Tensor::FromVector(Iota(8), {2, 4}, kSim0);  // initializes the backend here
-  Tensor view = t.Select(1, 1);  // strided: elements 1 and 5
+  Tensor view = t.Select(1, 1);                           // strided: elements 1 and 5
   DLManagedTensor* exported = ToDLPack(t);
-  auto child = RunInChild([&] {
-    auto poisoned = [](auto&& fn) {
-      try {
-        fn();
-        return false;
-      } catch (const Error& e) {
-        return e.code() == ErrorCode::kForkPoisoned &&
-               std::string(e.what()).find("spawn") != std::string::npos;
-      }
-    };
-    // Metadata is still there.
-    if (t.shape() != std::vector<int64_t>{2, 4} || t.device() != kSim0) return 1;
-    if (!poisoned([&] { t.item<float>({0, 0}); })) return 2;
-    if (!poisoned([&] { view.set<float>({0}, 1.f); })) return 3;
-    if (!poisoned([&] { t.ToVector<float>(); })) return 4;
-    if (!poisoned([&] { view.ToVector<float>(); })) return 5;  // the strided path
-    if (!poisoned([&] { t.To(kCPU); })) return 6;
-    if (!poisoned([&] { t.Clone(); })) return 7;
-    if (!poisoned([&] { Tensor::Zeros({2}, DType::kFloat32, kSim0); })) return 8;
-    if (!poisoned([&] { Tensor::FromVector(Iota(2), {2}, kSim1); })) return 9;
-    if (!poisoned([&] { Tensor::Empty({2}, DType::kFloat32, kCPU).To(kSim1); })) return 10;
-    // Views are metadata only and still work.
-    if (t.Transpose(0, 1).shape() != std::vector<int64_t>{4, 2}) return 11;
-    // Dropping every reference in the child neither throws nor touches the device.
-    exported->deleter(exported);
-    view = Tensor();
-    t = Tensor();
-    return 0;
-  }, 20s);
+  auto child = RunInChild(
+      [&] {
+        auto poisoned = [](auto&& fn) {
+          try {
+            fn();
+            return false;
+          } catch (const Error& e) {
+            return e.code() == ErrorCode::kForkPoisoned &&
+                   std::string(e.what()).find("spawn") != std::string::npos;
+          }
+        };
+        // Metadata is still there.
+        if (t.shape() != std::vector<int64_t>{2, 4} || t.device() != kSim0) return 1;
+        if (!poisoned([&] { t.item<float>({0, 0}); })) return 2;
+        if (!poisoned([&] { view.set<float>({0}, 1.f); })) return 3;
+        if (!poisoned([&] { t.ToVector<float>(); })) return 4;
+        if (!poisoned([&] { view.ToVector<float>(); })) return 5;  // the strided path
+        if (!poisoned([&] { t.To(kCPU); })) return 6;
+        if (!poisoned([&] { t.Clone(); })) return 7;
+        if (!poisoned([&] { Tensor::Zeros({2}, DType::kFloat32, kSim0); })) return 8;
+        if (!poisoned([&] { Tensor::FromVector(Iota(2), {2}, kSim1); })) return 9;
+        if (!poisoned([&] { Tensor::Empty({2}, DType::kFloat32, kCPU).To(kSim1); })) return 10;
+        // Views are metadata only and still work.
+        if (t.Transpose(0, 1).shape() != std::vector<int64_t>{4, 2}) return 11;
+        // Dropping every reference in the child neither throws nor touches the device.
+        exported->deleter(exported);
+        view = Tensor();
+        t = Tensor();
+        return 0;
+      },
+      20s);
   EXPECT_TRUE(child.ok()) << child.Describe();
   // The parent is untouched.
   EXPECT_EQ(t.ToVector<float>(), Iota(8));

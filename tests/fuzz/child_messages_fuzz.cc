@@ -1,9 +1,9 @@
 // tests/fuzz/child_messages_fuzz.cc: what a child, the fork server, a parent and the shm manager
 // decode from each other (mp/internal/child.h, mp/internal/shm_manager.h):
 //   0: a run request (parent -> spawned child or fork server), DecodeRunRequest;
-//   1: a report on a child's result channel ("hello", "failure", "exiting", "exit"), DecodeChildReport;
-//   2: the fork server's reply to a request (a pid or an error number), DecodeForkServerReply;
-//   3: a "track" request to the shm manager, DecodeTrackRequest.
+//   1: a report on a child's result channel ("hello", "failure", "exiting", "exit"),
+//   DecodeChildReport; 2: the fork server's reply to a request (a pid or an error number),
+//   DecodeForkServerReply; 3: a "track" request to the shm manager, DecodeTrackRequest.
 // Input: one byte (low 2 bits: which; bit 2: the run request must carry a result channel, as the
 // fork server requires), then the message bytes. The message carries three descriptor slots:
 // /dev/null, an empty slot, /dev/null.
@@ -62,9 +62,7 @@ std::string Run(std::string_view input) {
         }
         break;
       }
-      case 2:
-        o << "pid " << in::DecodeForkServerReply(msg);
-        break;
+      case 2: o << "pid " << in::DecodeForkServerReply(msg); break;
       default: {
         const std::optional<std::string> name = in::DecodeTrackRequest(msg);
         o << (name ? "track " + *name : std::string("ignored"));
@@ -73,7 +71,7 @@ std::string Run(std::string_view input) {
     }
   } catch (const Error& e) {
     const bool server_error = (control & 3) == 2 && (e.code() == ErrorCode::kInternal ||
-                                                      e.code() == ErrorCode::kResourceExhausted);
+                                                     e.code() == ErrorCode::kResourceExhausted);
     if (e.code() != ErrorCode::kInvalidArgument && !server_error) __builtin_trap();
     return ErrorText(e);
   }
@@ -110,10 +108,11 @@ std::vector<Seed> Seeds() {
                  "run E name= args=0+3 result=no lifeline=yes"});
   }
   s.push_back({"report_hello", ControlByteInput(1, std::string("hello"), std::string()), "hello"});
-  s.push_back({"report_failure",
-               ControlByteInput(1, std::string("failure"),
-                     mp::Encode(mp::ChildFailure{"std::runtime_error", "boom", "#0 f"}).bytes),
-               "failure std::runtime_error: boom"});
+  s.push_back(
+      {"report_failure",
+       ControlByteInput(1, std::string("failure"),
+                        mp::Encode(mp::ChildFailure{"std::runtime_error", "boom", "#0 f"}).bytes),
+       "failure std::runtime_error: boom"});
   s.push_back({"report_exit",
                ControlByteInput(1, std::string("exit"), mp::Encode(int32_t{256}).bytes),
                "exit 256"});

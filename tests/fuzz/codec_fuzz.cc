@@ -65,10 +65,12 @@ void Put(std::ostream& o, const std::pair<A, B>& p) {
 template <class... Ts>
 void Put(std::ostream& o, const std::tuple<Ts...>& t) {
   o << '(';
-  std::apply([&](const auto&... x) {
-    size_t i = 0;
-    ((o << (i++ ? "," : ""), Put(o, x)), ...);
-  }, t);
+  std::apply(
+      [&](const auto&... x) {
+        size_t i = 0;
+        ((o << (i++ ? "," : ""), Put(o, x)), ...);
+      },
+      t);
   o << ')';
 }
 template <class T>
@@ -86,10 +88,12 @@ std::string DecodePrint(Message& msg) {
   std::tuple<Ts...> values;
   std::apply([&](auto&... v) { mp::Decode(msg, v...); }, values);
   std::ostringstream o;
-  std::apply([&](const auto&... v) {
-    size_t i = 0;
-    ((o << (i++ ? " " : ""), Put(o, v)), ...);
-  }, values);
+  std::apply(
+      [&](const auto&... v) {
+        size_t i = 0;
+        ((o << (i++ ? " " : ""), Put(o, v)), ...);
+      },
+      values);
   return o.str();
 }
 
@@ -142,7 +146,8 @@ std::vector<Seed> Seeds() {
   s.push_back(MakeSeed("optional_none", 4, "none",
                        std::optional<std::tuple<int32_t, std::string, bool>>()));
   s.push_back(MakeSeed("strings_pair", 5, "[\"\",\"ab\"] (9,-300)",
-                       std::vector<std::string>{"", "ab"}, std::make_pair(uint8_t{9}, int16_t{-300})));
+                       std::vector<std::string>{"", "ab"},
+                       std::make_pair(uint8_t{9}, int16_t{-300})));
   {
     // Descriptors: index 0 and 2 of the message's slots, and an absent one (-1).
     std::string bytes(1, '\x06');
@@ -164,9 +169,8 @@ std::vector<Seed> Seeds() {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const int schema = data[0] % forksafe::fuzz::kSchemas;
-  forksafe::mp::Message msg =
-      forksafe::fuzz::MessageWithSlots(std::string(reinterpret_cast<const char*>(data) + 1, size - 1),
-                                       {true, false, true});
+  forksafe::mp::Message msg = forksafe::fuzz::MessageWithSlots(
+      std::string(reinterpret_cast<const char*>(data) + 1, size - 1), {true, false, true});
   try {
     (void)forksafe::fuzz::DecodeSchema(schema, msg);
   } catch (const forksafe::runtime::Error& e) {

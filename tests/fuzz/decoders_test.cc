@@ -150,8 +150,7 @@ TEST(ChildMessages, ForkServerReplyIsAPidOrAnErrno) {
 TEST(ChildMessages, RunRequestNeedsItsDescriptors) {
   Message m = Encode(std::string("run"), std::string("E"), std::string("n"), std::string(),
                      FileDescriptor(), FileDescriptor());
-  EXPECT_EQ(CodeOf([&] { internal::DecodeRunRequest(std::move(m)); }),
-            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(CodeOf([&] { internal::DecodeRunRequest(std::move(m)); }), ErrorCode::kInvalidArgument);
 }
 
 TEST(ChildMessages, TrackRequestNamesStayInsideForksafe) {

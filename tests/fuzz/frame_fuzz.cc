@@ -91,7 +91,8 @@ std::vector<Seed> Seeds() {
   const char big = static_cast<char>(12 << 2);  // 64 KiB limit
   return {
       {"one_message", std::string(1, big) + Frame("hello", 0), "msg(5,0) end"},
-      {"two_messages", std::string(1, big) + Frame("ab", 0) + Frame("", 0), "msg(2,0) msg(0,0) end"},
+      {"two_messages", std::string(1, big) + Frame("ab", 0) + Frame("", 0),
+       "msg(2,0) msg(0,0) end"},
       {"with_descriptors", std::string(1, big | 2) + Frame("fd", 2), "msg(2,2) end"},
       {"codec_payload", std::string(1, big) + Frame(mp::Encode(std::string("x"), 7).bytes, 0),
        "msg(13,0) end"},

@@ -30,9 +30,8 @@ std::string Run(std::string_view input) {
   try {
     if (task) {
       const in::PoolTask t = in::DecodePoolTask(std::move(msg));
-      o << t.kind << " " << t.id << " fn(" << t.fn.kind << "," << t.fn.local_id << ","
-        << t.fn.entry << "," << t.fn.runner_key << ") " << t.payload.bytes.size() << "+"
-        << t.payload.fds.size();
+      o << t.kind << " " << t.id << " fn(" << t.fn.kind << "," << t.fn.local_id << "," << t.fn.entry
+        << "," << t.fn.runner_key << ") " << t.payload.bytes.size() << "+" << t.payload.fds.size();
     } else {
       in::PoolReply r = in::DecodePoolReply(std::move(msg));
       o << r.kind << " " << r.id << " " << r.payload.bytes.size() << "+" << r.payload.fds.size();
@@ -77,7 +76,7 @@ std::vector<Seed> Seeds() {
        "done 7 8+2"},
       {"reply_error",
        ControlByteInput(1, std::string("error"), uint64_t{7},
-             mp::Encode(mp::ChildFailure{"std::logic_error", "bad", ""}).bytes),
+                        mp::Encode(mp::ChildFailure{"std::logic_error", "bad", ""}).bytes),
        "error 7 43+2 std::logic_error: bad"},
   };
 }

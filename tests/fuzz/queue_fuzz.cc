@@ -59,8 +59,8 @@ std::string Run(std::string_view input) {
           in::ParseQueueRecord(ring.data(), cap, head, tail, mp::Connection::kMaxDescriptors);
       const std::string payload = in::ReadQueuePayload(ring.data(), cap, tail, r);
       if (payload.size() != r.length || r.span > head - tail) __builtin_trap();
-      out << "rec(" << r.length << "," << r.nfds << (r.spilled ? ",spilled" : "") << ","
-          << r.seq << ") ";
+      out << "rec(" << r.length << "," << r.nfds << (r.spilled ? ",spilled" : "") << "," << r.seq
+          << ") ";
       tail += r.span;
     }
     out << "end";
@@ -79,7 +79,8 @@ std::string Run(std::string_view input) {
   const int fd = memfd_create("forksafe-fuzz", MFD_CLOEXEC);
   if (fd < 0) return out.str() + "no memfd";
   mp::FileDescriptor file(fd);
-  if (!bytes.empty() && write(fd, bytes.data(), bytes.size()) != static_cast<ssize_t>(bytes.size())) {
+  if (!bytes.empty() &&
+      write(fd, bytes.data(), bytes.size()) != static_cast<ssize_t>(bytes.size())) {
     return out.str() + "write failed";
   }
   if (ftruncate(fd, spill_size) != 0) return out.str() + "ftruncate failed";
@@ -133,7 +134,8 @@ std::vector<Seed> Seeds() {
   return {
       {"one_record", Input(2, {{item, 0, false, 0}}, 1, 1, 0),
        "rec(16,0,0) end; batch take; spill 0"},
-      {"three_records", Input(3, {{"a", 0, false, 0}, {"bc", 2, false, 1}, {"", 1, true, 2}}, 1, 2, 10),
+      {"three_records",
+       Input(3, {{"a", 0, false, 0}, {"bc", 2, false, 1}, {"", 1, true, 2}}, 1, 2, 10),
        "rec(1,0,0) rec(2,2,1) rec(0,1,spilled,2) end; batch discard; spill 10"},
       {"empty_ring", Input(0, {}, 5, 5, 3), "end; batch take; spill 3"},
       {"newer_batch", Input(1, {{"xyz", 0, false, 0}}, 9, 4, 70000),

@@ -67,9 +67,9 @@ TEST(FuzzReplay, SeedsDecodeToTheirValues) {
   ASSERT_GE(seeds.size(), 3u) << "a target needs a few valid seeds";
   for (const Seed& s : seeds) {
     EXPECT_EQ(Describe(s.bytes), s.expected) << "seed " << s.name;
-    EXPECT_EQ(LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(s.bytes.data()),
-                                     s.bytes.size()),
-              0);
+    EXPECT_EQ(
+        LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(s.bytes.data()), s.bytes.size()),
+        0);
   }
 }
 
@@ -104,9 +104,8 @@ TEST(FuzzReplay, CorpusAndRegressionsRunCleanly) {
     for (const std::string& path : FilesIn(dir)) {
       const std::string bytes = ReadFile(path);
       SCOPED_TRACE(path);
-      EXPECT_EQ(LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()),
-                                       bytes.size()),
-                0);
+      EXPECT_EQ(
+          LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()), 0);
       // Decoding must give a value or a runtime::Error, nothing else (Describe lets no other
       // exception through).
       EXPECT_FALSE(Describe(bytes).empty());

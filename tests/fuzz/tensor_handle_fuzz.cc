@@ -49,9 +49,8 @@ std::string Run(std::string_view input) {
     // The view must fit in the block; nothing reads the storage's bytes.
     static char byte;
     const uint64_t bytes = h.on_device ? h.device.size : h.block.size;
-    device::Storage storage =
-        device::Storage::FromExternal(device::kCPU, &byte, static_cast<size_t>(bytes),
-                                      [](void*) {});
+    device::Storage storage = device::Storage::FromExternal(
+        device::kCPU, &byte, static_cast<size_t>(bytes), [](void*) {});
     const device::Tensor t = device::Tensor::FromStorage(
         storage, static_cast<device::DType>(h.dtype), h.shape, h.strides, h.offset);
     std::ostringstream o;
@@ -60,8 +59,9 @@ std::string Run(std::string_view input) {
       << (h.block.kind == in::SegmentKind::kMemfd ? "memfd" : h.block.name) << " "
       << h.block.segment_id << "@" << h.block.offset << "+" << h.block.size;
     if (h.on_device) {
-      o << " device " << device::DeviceTypeName(static_cast<device::DeviceType>(h.device.device_type))
-        << ":" << h.device.device_index << (h.device.kind == 0 ? " segment " : " legacy ")
+      o << " device "
+        << device::DeviceTypeName(static_cast<device::DeviceType>(h.device.device_type)) << ":"
+        << h.device.device_index << (h.device.kind == 0 ? " segment " : " legacy ")
         << h.device.segment_id << "@" << h.device.offset << "+" << h.device.size << " of "
         << h.device.segment_size << (h.device.event_complete ? " complete" : " event slot ")
         << (h.device.event_complete ? std::string() : std::to_string(h.device.event_slot));
@@ -76,7 +76,8 @@ std::string Run(std::string_view input) {
 // A handle's bytes, as ExportTensor's message would carry them (descriptor slot 0).
 std::string Input(uint64_t segment_size, uint8_t dtype, std::vector<int64_t> shape,
                   std::vector<int64_t> strides, int64_t offset, in::SegmentKind kind,
-                  const std::string& name, uint64_t id, uint64_t block_offset, uint64_t block_size) {
+                  const std::string& name, uint64_t id, uint64_t block_offset,
+                  uint64_t block_size) {
   in::TensorHandle h;
   h.dtype = dtype;
   h.shape = std::move(shape);
@@ -140,7 +141,8 @@ std::vector<Seed> Seeds() {
   return {
       {"memfd_matrix", Input(1 << 22, 0, {2, 3}, {3, 1}, 0, SegmentKind::kMemfd, "", 7, 4160, 24),
        "float32 [2,3] strides [3,1] offset 0 block memfd 7@4160+24"},
-      {"named_view", Input(1 << 22, 3, {4}, {2}, 1, SegmentKind::kNamed, "/forksafe_12_3", 3, 8256, 64),
+      {"named_view",
+       Input(1 << 22, 3, {4}, {2}, 1, SegmentKind::kNamed, "/forksafe_12_3", 3, 8256, 64),
        "int64 [4] strides [2] offset 1 block /forksafe_12_3 3@8256+64"},
       {"scalar_bool", Input(8192, 5, {}, {}, 0, SegmentKind::kMemfd, "", 1, 4160, 1),
        "bool [] strides [] offset 0 block memfd 1@4160+1"},

@@ -187,8 +187,8 @@ FORKSAFE_ENTRY_POINT(SumOnDevice);
 // then exits without waiting for the receiver.
 void SendForeignAndExit(Queue out) {
   void* p = Sim().AllocateForeign(0, 4096);
-  device::Storage s = device::Storage::FromExternal(
-      Device(DeviceType::kSimAccel, 0), p, 4096, [](void* q) { Sim().FreeForeign(0, q); });
+  device::Storage s = device::Storage::FromExternal(Device(DeviceType::kSimAccel, 0), p, 4096,
+                                                    [](void* q) { Sim().FreeForeign(0, q); });
   Tensor t = Tensor::FromStorage(s, DType::kFloat32, {1024});
   FillDevice(t, 1.f);
   out.put(t);
@@ -480,11 +480,11 @@ TEST(SimIpc, LegacyHandlesEnforceTheProducerKeepsAliveRule) {
   bool freed = false;
   void* p = Sim().AllocateForeign(0, 4096);
   {
-    device::Storage s = device::Storage::FromExternal(Device(DeviceType::kSimAccel, 0), p, 4096,
-                                                      [&freed](void* q) {
-                                                        Sim().FreeForeign(0, q);
-                                                        freed = true;
-                                                      });
+    device::Storage s =
+        device::Storage::FromExternal(Device(DeviceType::kSimAccel, 0), p, 4096, [&freed](void* q) {
+          Sim().FreeForeign(0, q);
+          freed = true;
+        });
     Tensor t = Tensor::FromStorage(s, DType::kFloat32, {1024});
     FillDevice(t, 1.f);
     Queue in, report, go;
@@ -501,8 +501,8 @@ TEST(SimIpc, LegacyHandlesEnforceTheProducerKeepsAliveRule) {
     EXPECT_EQ(c.exitcode(), 0);
     // The consumer let go: the next legacy operation runs the deferred free.
     void* other = Sim().AllocateForeign(0, 256);
-    device::Storage s2 = device::Storage::FromExternal(
-        Device(DeviceType::kSimAccel, 0), other, 256, [](void* q) { Sim().FreeForeign(0, q); });
+    device::Storage s2 = device::Storage::FromExternal(Device(DeviceType::kSimAccel, 0), other, 256,
+                                                       [](void* q) { Sim().FreeForeign(0, q); });
     Queue self;
     self.put(Tensor::FromStorage(s2, DType::kFloat32, {64}));
     Tensor back = self.get<Tensor>(true, kGet);
@@ -654,10 +654,9 @@ TEST(SimIpc, BadCallsAreRefusedClearly) {
          "cross through shared memory");
   void* a = device::Allocate(d, 4096);
   void* inside = static_cast<char*>(a) + 256;
-  expect([&] { sim.HoldAfterFree(0, inside, [] { return true; }); },
-         ErrorCode::kInvalidArgument, "not the start of a live block");
-  expect([&] { sim.HoldAfterFree(0, a, nullptr); }, ErrorCode::kInvalidArgument,
-         "empty predicate");
+  expect([&] { sim.HoldAfterFree(0, inside, [] { return true; }); }, ErrorCode::kInvalidArgument,
+         "not the start of a live block");
+  expect([&] { sim.HoldAfterFree(0, a, nullptr); }, ErrorCode::kInvalidArgument, "empty predicate");
   expect([&] { sim.FreeForeign(0, a); }, ErrorCode::kInvalidArgument,
          "not memory from AllocateForeign");
   device::Free(d, a);

@@ -72,43 +72,78 @@ TEST(OneDefinitionPerName, ValueBlockAndTheArenaBlockLiveTogether) {
 
 TEST(MpBadInput, SizesThatWrapOrExceedTheSystemFailFast) {
   const std::vector<BadCall> rows = {
-      {"Queue(QueueOptions{0, SIZE_MAX - 7})", [] { Queue q(QueueOptions{0, kMax - 7}); },
-       ErrorCode::kInvalidArgument, {"ring_bytes", std::to_string(kMax - 7)}},
-      {"Queue(QueueOptions{0, SIZE_MAX})", [] { Queue q(QueueOptions{0, kMax}); },
-       ErrorCode::kInvalidArgument, {"ring_bytes", std::to_string(kMax)}},
-      {"Queue(QueueOptions{0, 4 GiB + 1})", [] { Queue q(QueueOptions{0, (size_t{4} << 30) + 1}); },
-       ErrorCode::kInvalidArgument, {"ring_bytes"}},
-      {"Queue(QueueOptions{0, 4095})", [] { Queue q(QueueOptions{0, 4095}); },
-       ErrorCode::kInvalidArgument, {"ring_bytes", "4095"}},
-      {"Queue(QueueOptions{0, 0})", [] { Queue q(QueueOptions{0, 0}); },
-       ErrorCode::kInvalidArgument, {"ring_bytes"}},
-      {"Array<double>(1 << 40)", [] { Array<double> a(size_t{1} << 40); },
-       ErrorCode::kResourceExhausted, {"Array", "bytes is more than this system can provide"}},
-      {"Array<double>(1 << 40, 0, no lock)", [] { Array<double> a(size_t{1} << 40, 0.0, false); },
-       ErrorCode::kResourceExhausted, {"Array"}},
-      {"Array<double>(SIZE_MAX / 4): n * sizeof overflows", [] { Array<double> a(kMax / 4); },
-       ErrorCode::kInvalidArgument, {"Array", std::to_string(kMax / 4)}},
-      {"Array<char>(SIZE_MAX)", [] { Array<char> a(kMax); }, ErrorCode::kInvalidArgument,
+      {"Queue(QueueOptions{0, SIZE_MAX - 7})",
+       [] {
+         Queue q(QueueOptions{0, kMax - 7});
+       },
+       ErrorCode::kInvalidArgument,
+       {"ring_bytes", std::to_string(kMax - 7)}},
+      {"Queue(QueueOptions{0, SIZE_MAX})",
+       [] {
+         Queue q(QueueOptions{0, kMax});
+       },
+       ErrorCode::kInvalidArgument,
+       {"ring_bytes", std::to_string(kMax)}},
+      {"Queue(QueueOptions{0, 4 GiB + 1})",
+       [] {
+         Queue q(QueueOptions{0, (size_t{4} << 30) + 1});
+       },
+       ErrorCode::kInvalidArgument,
+       {"ring_bytes"}},
+      {"Queue(QueueOptions{0, 4095})",
+       [] {
+         Queue q(QueueOptions{0, 4095});
+       },
+       ErrorCode::kInvalidArgument,
+       {"ring_bytes", "4095"}},
+      {"Queue(QueueOptions{0, 0})",
+       [] {
+         Queue q(QueueOptions{0, 0});
+       },
+       ErrorCode::kInvalidArgument,
+       {"ring_bytes"}},
+      {"Array<double>(1 << 40)",
+       [] { Array<double> a(size_t{1} << 40); },
+       ErrorCode::kResourceExhausted,
+       {"Array", "bytes is more than this system can provide"}},
+      {"Array<double>(1 << 40, 0, no lock)",
+       [] { Array<double> a(size_t{1} << 40, 0.0, false); },
+       ErrorCode::kResourceExhausted,
+       {"Array"}},
+      {"Array<double>(SIZE_MAX / 4): n * sizeof overflows",
+       [] { Array<double> a(kMax / 4); },
+       ErrorCode::kInvalidArgument,
+       {"Array", std::to_string(kMax / 4)}},
+      {"Array<char>(SIZE_MAX)",
+       [] { Array<char> a(kMax); },
+       ErrorCode::kInvalidArgument,
        {"Array"}},
       {"SharedEmpty({1 << 40}) file_descriptor",
        [] {
          set_sharing_strategy("file_descriptor");
          SharedEmpty({int64_t{1} << 40});
        },
-       ErrorCode::kResourceExhausted, {std::to_string(int64_t{4} << 40), "bytes is more than"}},
+       ErrorCode::kResourceExhausted,
+       {std::to_string(int64_t{4} << 40), "bytes is more than"}},
       {"SharedEmpty({1 << 40}) file_system",
        [] {
          set_sharing_strategy("file_system");
          SharedEmpty({int64_t{1} << 40});
        },
-       ErrorCode::kResourceExhausted, {std::to_string(int64_t{4} << 40)}},
-      {"SharedEmpty({1 << 61}) float", [] { SharedEmpty({int64_t{1} << 61}); },
-       ErrorCode::kResourceExhausted, {"bytes is more than"}},
+       ErrorCode::kResourceExhausted,
+       {std::to_string(int64_t{4} << 40)}},
+      {"SharedEmpty({1 << 61}) float",
+       [] { SharedEmpty({int64_t{1} << 61}); },
+       ErrorCode::kResourceExhausted,
+       {"bytes is more than"}},
       {"SharedArena::Allocate(SIZE_MAX - 8)",
        [] { internal::SharedArena::Get().Allocate(kMax - 8, internal::SegmentKind::kMemfd); },
-       ErrorCode::kResourceExhausted, {std::to_string(kMax - 8)}},
+       ErrorCode::kResourceExhausted,
+       {std::to_string(kMax - 8)}},
       {"share_memory_ of a 0-sized tensor is fine, of a bad shape is not",
-       [] { SharedEmpty({-1}); }, ErrorCode::kInvalidArgument, {">= 0"}},
+       [] { SharedEmpty({-1}); },
+       ErrorCode::kInvalidArgument,
+       {">= 0"}},
   };
   const std::string failures = CheckRows(rows, /*bounded=*/true);
   EXPECT_TRUE(failures.empty()) << failures;
@@ -126,8 +161,10 @@ TEST(MpBadInput, NaNAndNegativeTimeoutsAreInvalidEverywhere) {
   for (double bad : {kNaN, -1.0, -kInf, -1e-9}) {
     const std::string v = std::isnan(bad) ? "nan" : "-";
     auto add = [&](const std::string& name, std::function<void()> f) {
-      rows.push_back({name + "(" + std::to_string(bad) + ")", std::move(f),
-                      ErrorCode::kInvalidArgument, {"timeout", v}});
+      rows.push_back({name + "(" + std::to_string(bad) + ")",
+                      std::move(f),
+                      ErrorCode::kInvalidArgument,
+                      {"timeout", v}});
     };
     add("Queue::get", [&q, bad] { q.get<int>(true, bad); });
     add("Queue::put", [&q, bad] { q.put(1, true, bad); });

@@ -119,7 +119,10 @@ TEST(ConnectionTest, LargeMessagesAreFramedWhole) {
   auto [a, b] = Pipe();
   std::string big(8 << 20, 'x');
   big[12345] = 'y';
-  std::thread t([&, b = b]() mutable { b.send_bytes(big); b.send_bytes("small"); });
+  std::thread t([&, b = b]() mutable {
+    b.send_bytes(big);
+    b.send_bytes("small");
+  });
   EXPECT_EQ(a.recv_bytes(), big);
   EXPECT_EQ(a.recv_bytes(), "small");
   t.join();
@@ -165,13 +168,18 @@ TEST(ConnectionTest, PollTimeoutsAndClosedPeers) {
 
 TEST(ConnectionTest, PeerDyingMidMessageIsReported) {
   auto [a, b] = Pipe();
-  auto child = RunInChild([&, b = b] {
-    // A frame header announcing 1000 bytes, then only 10, then exit.
-    struct { uint32_t magic, nfds; uint64_t length; } h{0x464D5350, 0, 1000};
-    if (write(b.fileno(), &h, sizeof(h)) != sizeof(h)) return 1;
-    if (write(b.fileno(), "0123456789", 10) != 10) return 2;
-    return 0;
-  }, 10s);
+  auto child = RunInChild(
+      [&, b = b] {
+        // A frame header announcing 1000 bytes, then only 10, then exit.
+        struct {
+          uint32_t magic, nfds;
+          uint64_t length;
+        } h{0x464D5350, 0, 1000};
+        if (write(b.fileno(), &h, sizeof(h)) != sizeof(h)) return 1;
+        if (write(b.fileno(), "0123456789", 10) != 10) return 2;
+        return 0;
+      },
+      10s);
   ASSERT_TRUE(child.ok());
   b.close();
   try {

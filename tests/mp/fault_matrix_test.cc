@@ -7,8 +7,8 @@
 // is left behind by the cell. The leak checks are local to this file (a snapshot per cell).
 #include <dirent.h>
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -56,7 +56,7 @@ enum Fault : int {
   kHang,         // sleeps far longer than the test waits
   kTornMessage,  // writes part of a message on its Connection, then exits
 };
-constexpr Fault kAllFaults[] = {kThrow,       kAbort, kSegfault,  kSigkill,
+constexpr Fault kAllFaults[] = {kThrow,       kAbort, kSegfault,   kSigkill,
                                 kExitNonZero, kHang,  kTornMessage};
 
 const char* FaultName(Fault f) {
@@ -106,26 +106,18 @@ void WriteTornMessage(Connection& out, bool close_after = true) {
 // first (so that the test can kill it), the torn message is written there.
 void Misbehave(Fault f, Connection& out) {
   switch (f) {
-    case kThrow:
-      ThrowFromDeep();
-      break;
-    case kAbort:
-      std::abort();
+    case kThrow: ThrowFromDeep(); break;
+    case kAbort: std::abort();
     case kSegfault:
       raise(SIGSEGV);  // a real delivery (a null store would be reported by UBSan instead)
       break;
-    case kSigkill:
-      raise(SIGKILL);
-      break;
-    case kExitNonZero:
-      std::exit(3);
+    case kSigkill: raise(SIGKILL); break;
+    case kExitNonZero: std::exit(3);
     case kHang:
       out.send(static_cast<int>(getpid()));
       std::this_thread::sleep_for(60s);
       break;
-    case kTornMessage:
-      WriteTornMessage(out);
-      break;
+    case kTornMessage: WriteTornMessage(out); break;
   }
 }
 
@@ -297,7 +289,8 @@ bool MadeInThisPidNamespace(const std::string& name) {
 std::string FakeSegment(pid_t pid, uint64_t pid_ns) {
   const SegmentHead h{kSegmentMagic, 4096, 1, static_cast<int32_t>(pid), 1, pid_ns};
   static int n = 0;
-  const std::string name = "forksafe_" + std::to_string(pid) + "_fault_matrix_" + std::to_string(++n);
+  const std::string name =
+      "forksafe_" + std::to_string(pid) + "_fault_matrix_" + std::to_string(++n);
   const int fd = shm_open(("/" + name).c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) return "";
   const bool ok = ftruncate(fd, 4096) == 0 && pwrite(fd, &h, sizeof(h), 0) == sizeof(h);
@@ -336,7 +329,8 @@ class LeakSnapshot {
     std::vector<std::string> out;
     int status = 0;
     const pid_t zombie = waitpid(-1, &status, WNOHANG);
-    if (zombie > 0) out.push_back("child " + std::to_string(zombie) + " exited but was never reaped");
+    if (zombie > 0)
+      out.push_back("child " + std::to_string(zombie) + " exited but was never reaped");
     const std::set<pid_t> extra = NewDescendants();
     if (!extra.empty()) out.push_back("processes left behind: " + Join(extra));
     const int fds = CountOpenFds();
@@ -348,8 +342,8 @@ class LeakSnapshot {
     creators.push_back(getpid());
     for (pid_t c : creators) {
       for (const std::string& name : ShmEntriesOf(c)) {
-        if (shm_.count(name) != 0) continue;              // there before the cell
-        if (!MadeInThisPidNamespace(name)) continue;      // another sandbox's pid, not ours
+        if (shm_.count(name) != 0) continue;          // there before the cell
+        if (!MadeInThisPidNamespace(name)) continue;  // another sandbox's pid, not ours
         out.push_back("/dev/shm entry " + name + " left by " +
                       (c == getpid() ? std::string("this process") : "child " + std::to_string(c)));
       }
@@ -549,9 +543,18 @@ void FaultMatrixTest::RunSpawnCell(std::vector<pid_t>* pids) {
     int code = 0;
     std::string sig;
     switch (fault()) {
-      case kAbort: code = -SIGABRT; sig = "SIGABRT (Aborted)"; break;
-      case kSegfault: code = -SIGSEGV; sig = "SIGSEGV (Segmentation fault)"; break;
-      case kSigkill: code = -SIGKILL; sig = "SIGKILL (Killed)"; break;
+      case kAbort:
+        code = -SIGABRT;
+        sig = "SIGABRT (Aborted)";
+        break;
+      case kSegfault:
+        code = -SIGSEGV;
+        sig = "SIGSEGV (Segmentation fault)";
+        break;
+      case kSigkill:
+        code = -SIGKILL;
+        sig = "SIGKILL (Killed)";
+        break;
       case kExitNonZero: code = 3; break;
       default: break;
     }
@@ -580,7 +583,7 @@ void FaultMatrixTest::RunPoolCell(std::vector<pid_t>* pids) {
   const int f = static_cast<int>(fault());
   std::vector<AsyncResult<int>> rs;
   for (int i = 0; i < kTasks; ++i) rs.push_back(pool.apply_async(&PoolTask, i, kVictim, f, theirs));
-  theirs.close();  // the tasks carry their own copies
+  theirs.close();                             // the tasks carry their own copies
   if (fault() == kTornMessage) ours.send(1);  // the victim may go on
   pid_t hung = 0;
   if (fault() == kHang) {
@@ -629,11 +632,27 @@ void FaultMatrixTest::RunPoolCell(std::vector<pid_t>* pids) {
     int code = 0;
     std::string text;
     switch (fault()) {
-      case kAbort: code = -SIGABRT; text = "SIGABRT (Aborted)"; break;
-      case kSegfault: code = -SIGSEGV; text = "SIGSEGV (Segmentation fault)"; break;
-      case kSigkill: case kHang: code = -SIGKILL; text = "SIGKILL (Killed)"; break;
-      case kExitNonZero: code = 3; text = "exited with code 3"; break;
-      case kTornMessage: code = 0; text = "exited with code 0"; break;
+      case kAbort:
+        code = -SIGABRT;
+        text = "SIGABRT (Aborted)";
+        break;
+      case kSegfault:
+        code = -SIGSEGV;
+        text = "SIGSEGV (Segmentation fault)";
+        break;
+      case kSigkill:
+      case kHang:
+        code = -SIGKILL;
+        text = "SIGKILL (Killed)";
+        break;
+      case kExitNonZero:
+        code = 3;
+        text = "exited with code 3";
+        break;
+      case kTornMessage:
+        code = 0;
+        text = "exited with code 0";
+        break;
       case kThrow: break;
     }
     EXPECT_EQ(e.exit_code(), code) << e.what();
@@ -880,10 +899,12 @@ TEST_P(ParentKilledTest, ChildrenExitAndNothingIsLeftInDevShm) {
   }
   const auto all_gone = Clock::now() - t0;
   EXPECT_FALSE(any_segment_left()) << "the SIGKILLed parent's segment stayed in /dev/shm";
-  RecordProperty("children_gone_ms",
-                 std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(children_gone).count()));
-  RecordProperty("all_gone_ms",
-                 std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(all_gone).count()));
+  RecordProperty(
+      "children_gone_ms",
+      std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(children_gone).count()));
+  RecordProperty(
+      "all_gone_ms",
+      std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(all_gone).count()));
   ours.close();
   theirs.close();
   std::vector<pid_t> all(grandchildren.begin(), grandchildren.end());
@@ -1012,7 +1033,8 @@ TEST(ForkServerKilledTest, PoolReplacesWorkersThroughANewServer) {
   ExpectOnlyTheNewServerLeft(snapshot, server);
 }
 
-// ---- more torn messages ---------------------------------------------------------------------------
+// ---- more torn messages
+// ---------------------------------------------------------------------------
 
 class TornMessageTest : public ::testing::TestWithParam<std::string> {
  protected:
@@ -1084,9 +1106,8 @@ TEST(PoolForkTest, AReplacementWorkerDoesNotHoldOtherTasksDescriptors) {
       ours.RecvMessage(5.0);
       ADD_FAILURE() << "a message from nowhere";
     } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kClosed)
-          << e.what() << " (the replacement worker " << pool.pids()[0]
-          << " holds the task's descriptor)";
+      EXPECT_EQ(e.code(), ErrorCode::kClosed) << e.what() << " (the replacement worker "
+                                              << pool.pids()[0] << " holds the task's descriptor)";
     }
     pool.close();
     EXPECT_TRUE(pool.join(30s));

@@ -100,8 +100,7 @@ TEST(ForkServerTest, ARequestOverTheServersDescriptorLimitIsRefusedAndTheServerL
       many.emplace_back(static_cast<int>(syscall(SYS_memfd_create, "held", MFD_CLOEXEC)));
       CHECK(many.back().get() >= 0);
     }
-    Process heavy(ProcessOptions{"heavy", false, "forkserver"}, &HoldDescriptors,
-                  std::move(many));
+    Process heavy(ProcessOptions{"heavy", false, "forkserver"}, &HoldDescriptors, std::move(many));
     try {
       heavy.start();
       CHECK(false);

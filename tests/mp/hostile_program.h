@@ -24,8 +24,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "forksafe/runtime/error.h"
@@ -35,12 +35,12 @@
 // Defined (strongly) only where UBSan's runtime is linked.
 extern "C" void __ubsan_handle_type_mismatch_v1(void*, void*) __attribute__((weak));
 
-#define CHECK(cond)                                                                   \
-  do {                                                                                \
-    if (!(cond)) {                                                                    \
-      fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond);        \
-      return __LINE__ % 90 + 2; /* 2..91: not 0, nor RunInChild's 100/101 */         \
-    }                                                                                 \
+#define CHECK(cond)                                                            \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+      return __LINE__ % 90 + 2; /* 2..91: not 0, nor RunInChild's 100/101 */   \
+    }                                                                          \
   } while (0)
 
 namespace forksafe::mp {
@@ -88,7 +88,7 @@ inline void SetSigchld(Sigchld how) {
 // kernels before 6.15 (deny_pidfd_info: matched by the ioctl's type 0xFF and number 11, whatever
 // the size of the structure). Threads are always allowed. False where the kernel refuses it.
 inline bool InstallFilter(bool deny_unshare, bool deny_fork, bool deny_vfork,
-                   bool deny_pidfd_info = false) {
+                          bool deny_pidfd_info = false) {
   std::vector<sock_filter> f = {
       BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, arch)),
       BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0),

@@ -26,10 +26,10 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cstdio>
 #include <cerrno>
-#include <cstring>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <random>
@@ -70,8 +70,8 @@ bool NotFromAnotherPidNamespace(const std::string& name, bool strict) {
   const bool full = fstat(fd, &st) == 0 && st.st_size >= 4096 &&
                     pread(fd, &h, sizeof(h), 0) == static_cast<ssize_t>(sizeof(h));
   close(fd);
-  const bool ours = full && h.magic == internal::kSegmentMagic &&
-                    h.pid_ns == internal::PidNamespaceId();
+  const bool ours =
+      full && h.magic == internal::kSegmentMagic && h.pid_ns == internal::PidNamespaceId();
   return strict ? ours : (ours || !full || h.magic != internal::kSegmentMagic);
 }
 
@@ -83,7 +83,8 @@ std::vector<std::string> EntriesOf(pid_t pid, bool strict = true) {
   DIR* d = opendir("/dev/shm");
   if (d == nullptr) return out;
   while (dirent* e = readdir(d)) {
-    if (std::string(e->d_name).rfind(prefix, 0) == 0 && NotFromAnotherPidNamespace(e->d_name, strict)) {
+    if (std::string(e->d_name).rfind(prefix, 0) == 0 &&
+        NotFromAnotherPidNamespace(e->d_name, strict)) {
       out.push_back(e->d_name);
     }
   }
@@ -137,7 +138,8 @@ bool HoldsArenaInode(uint64_t inode) {
   while (fgets(line, sizeof line, f) != nullptr) {
     unsigned long long ino = 0;
     if (sscanf(line, "%*s %*s %*s %*s %llu", &ino) == 1 && ino == inode &&
-        (strstr(line, "forksafe:tensor-arena") != nullptr || strstr(line, "/dev/shm/") != nullptr)) {
+        (strstr(line, "forksafe:tensor-arena") != nullptr ||
+         strstr(line, "/dev/shm/") != nullptr)) {
       held = true;
     }
   }
@@ -152,8 +154,7 @@ bool HoldsArenaInode(uint64_t inode) {
     if (readlink(path.c_str(), target, sizeof target - 1) > 0 &&
         (strstr(target, "forksafe:tensor-arena") != nullptr ||
          strstr(target, "/dev/shm/forksafe_") != nullptr) &&
-        stat(path.c_str(), &st) == 0 &&
-        st.st_ino == inode) {
+        stat(path.c_str(), &st) == 0 && st.st_ino == inode) {
       held = true;
     }
   }
@@ -222,43 +223,47 @@ TEST_P(InFlightLifetime, MessagesNeverReadAreFreedWithTheQueue) {
       << EntriesOf(pid).size() << " segment(s) of an unread message left in /dev/shm";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    StartMethodsAndStrategies, InFlightLifetime,
-    ::testing::Combine(::testing::Values("fork", "spawn", "forkserver"),
-                       ::testing::Values("file_descriptor", "file_system")),
-    [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
+INSTANTIATE_TEST_SUITE_P(StartMethodsAndStrategies, InFlightLifetime,
+                         ::testing::Combine(::testing::Values("fork", "spawn", "forkserver"),
+                                            ::testing::Values("file_descriptor", "file_system")),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" + std::get<1>(info.param);
+                         });
 
 class PerStrategy : public ::testing::TestWithParam<std::string> {};
 
 // Unread messages of this very process (put, never got, queue dropped), and puts that failed:
 // neither pins a segment once the queue is gone.
 TEST_P(PerStrategy, UnreadAndRefusedMessagesPinNothing) {
-  auto r = forksafe::testing::RunInChild([strategy = GetParam()] {
-    set_sharing_strategy(strategy);
-    {
-      Queue q(1);  // maxsize 1: the second put_nowait is refused
-      std::vector<Tensor> ts;
-      for (int i = 0; i < 3; ++i) ts.push_back(Tensor::FromVector(std::vector<float>(100, 1.f), {100}));
-      q.put(ts[0]);
-      try {
-        q.put_nowait(ts[1]);
-        return 1;
-      } catch (const Full&) {
-      }
-      try {
-        q.put(ts[2], true, 0.05);
-        return 2;
-      } catch (const Full&) {
-      }
-    }  // tensors and queue gone; one message was never read
-    internal::SharedArena::Get().ReleaseCaches();
-    for (const std::string& e : EntriesOf(getpid())) {
-      fprintf(stderr, "left: %s (%d arena mappings)\n", e.c_str(), ArenaMappings());
-    }
-    if (!EntriesOf(getpid()).empty()) return 3;
-    if (ArenaMappings() != 0) return 4;
-    return 0;
-  }, 60s, 60);
+  auto r = forksafe::testing::RunInChild(
+      [strategy = GetParam()] {
+        set_sharing_strategy(strategy);
+        {
+          Queue q(1);  // maxsize 1: the second put_nowait is refused
+          std::vector<Tensor> ts;
+          for (int i = 0; i < 3; ++i)
+            ts.push_back(Tensor::FromVector(std::vector<float>(100, 1.f), {100}));
+          q.put(ts[0]);
+          try {
+            q.put_nowait(ts[1]);
+            return 1;
+          } catch (const Full&) {
+          }
+          try {
+            q.put(ts[2], true, 0.05);
+            return 2;
+          } catch (const Full&) {
+          }
+        }  // tensors and queue gone; one message was never read
+        internal::SharedArena::Get().ReleaseCaches();
+        for (const std::string& e : EntriesOf(getpid())) {
+          fprintf(stderr, "left: %s (%d arena mappings)\n", e.c_str(), ArenaMappings());
+        }
+        if (!EntriesOf(getpid()).empty()) return 3;
+        if (ArenaMappings() != 0) return 4;
+        return 0;
+      },
+      60s, 60);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
@@ -326,7 +331,8 @@ TEST_P(DedicatedSegments, AreUnlinkedWhileTheirCreatorLives) {
 INSTANTIATE_TEST_SUITE_P(
     LargeOrUncached, DedicatedSegments,
     ::testing::Values(DedicatedCase{"Large_ReadHere", kDedicatedElems, true, Reader::kSameProcess},
-                      DedicatedCase{"Large_ReadElsewhere", kDedicatedElems, true, Reader::kOtherProcess},
+                      DedicatedCase{"Large_ReadElsewhere", kDedicatedElems, true,
+                                    Reader::kOtherProcess},
                       DedicatedCase{"Large_NeverRead", kDedicatedElems, true, Reader::kNobody},
                       DedicatedCase{"Uncached_ReadHere", 1000, false, Reader::kSameProcess},
                       DedicatedCase{"Uncached_ReadElsewhere", 1000, false, Reader::kOtherProcess}),
@@ -336,28 +342,30 @@ INSTANTIATE_TEST_SUITE_P(
 // the ring is not mapped here any more) still holds its unread messages' segments: EmptyCache
 // must not free them. Before, only mappings counted, and the segment was unlinked under it.
 TEST(QueueLiveness, AQueueHeldOnlyAsADescriptorKeepsItsMessagesSegments) {
-  auto r = forksafe::testing::RunInChild([] {
-    set_sharing_strategy("file_system");
-    set_sharing_cache_enabled(false);  // a dedicated segment: the creator lets go of it at once
-    Message held;
-    {
-      Queue q;
-      Tensor t = Tensor::FromVector(std::vector<float>(100, 4.f), {100});
-      q.put(t);
-      held = Encode(q);  // descriptors of the queue, nothing mapped
-    }
-    internal::SharedArena::Get().EmptyCache();
-    if (EntriesOf(getpid()).size() != 1) return 1;  // freed under a queue that still exists
-    Queue back = DecodeAs<Queue>(held);
-    try {
-      Tensor got = back.get<Tensor>(true, 10.0);
-      if (got.ToVector<float>()[99] != 4.f) return 2;
-    } catch (const Error& e) {
-      fprintf(stderr, "%s\n", e.what());
-      return 3;
-    }
-    return EntriesOf(getpid()).empty() ? 0 : 4;  // read and dropped: gone
-  }, 60s, 60);
+  auto r = forksafe::testing::RunInChild(
+      [] {
+        set_sharing_strategy("file_system");
+        set_sharing_cache_enabled(false);  // a dedicated segment: the creator lets go of it at once
+        Message held;
+        {
+          Queue q;
+          Tensor t = Tensor::FromVector(std::vector<float>(100, 4.f), {100});
+          q.put(t);
+          held = Encode(q);  // descriptors of the queue, nothing mapped
+        }
+        internal::SharedArena::Get().EmptyCache();
+        if (EntriesOf(getpid()).size() != 1) return 1;  // freed under a queue that still exists
+        Queue back = DecodeAs<Queue>(held);
+        try {
+          Tensor got = back.get<Tensor>(true, 10.0);
+          if (got.ToVector<float>()[99] != 4.f) return 2;
+        } catch (const Error& e) {
+          fprintf(stderr, "%s\n", e.what());
+          return 3;
+        }
+        return EntriesOf(getpid()).empty() ? 0 : 4;  // read and dropped: gone
+      },
+      60s, 60);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
@@ -405,16 +413,18 @@ bool GetMany(Queue& q) {
 }
 
 TEST_P(PerStrategy, TwentyThousandTensorsPutBeforeAnyGetInOneProcess) {
-  auto r = forksafe::testing::RunInChild([strategy = GetParam()] {
-    Queue q(ManyOptions());
-    try {
-      PutMany(q, strategy, 20.0);
-    } catch (const Error& e) {
-      fprintf(stderr, "put failed: %s\n", e.what());
-      return 1;
-    }
-    return GetMany(q) ? 0 : 2;
-  }, 120s, 120);
+  auto r = forksafe::testing::RunInChild(
+      [strategy = GetParam()] {
+        Queue q(ManyOptions());
+        try {
+          PutMany(q, strategy, 20.0);
+        } catch (const Error& e) {
+          fprintf(stderr, "put failed: %s\n", e.what());
+          return 1;
+        }
+        return GetMany(q) ? 0 : 2;
+      },
+      120s, 120);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
@@ -435,34 +445,39 @@ INSTANTIATE_TEST_SUITE_P(Strategies, PerStrategy,
 // from the last one's) fill the side channel eventually: put then fails, saying why and what to do,
 // instead of blocking for ever.
 TEST(ManyInFlight, APutThatCannotProceedSaysWhy) {
-  auto r = forksafe::testing::RunInChild([] {
-    set_sharing_cache_enabled(false);  // each tensor gets a segment (and a descriptor) of its own
-    Tensor a = SharedEmpty({4}), b = SharedEmpty({4});
-    Queue q(ManyOptions());
-    for (int i = 0; i < kMany; ++i) {
-      try {
-        q.put(i % 2 == 0 ? a : b, true, 1.0);
-      } catch (const Full& e) {
-        const std::string what = e.what();
-        fprintf(stderr, "put %d: %s\n", i, what.c_str());
-        if (i < 200) return 1;  // the limit is far above the old ~278
-        if (what.find("descriptor") == std::string::npos) return 2;
-        if (what.find("get()") == std::string::npos) return 3;  // the cure
-        // The refused tensor again (the newest batch is the other one's, so it cannot share it).
-        try {
-          q.put_nowait(i % 2 == 0 ? a : b);
-          return 4;
-        } catch (const Full& e2) {
-          if (std::string(e2.what()).find("descriptor") == std::string::npos) return 5;
+  auto r = forksafe::testing::RunInChild(
+      [] {
+        set_sharing_cache_enabled(
+            false);  // each tensor gets a segment (and a descriptor) of its own
+        Tensor a = SharedEmpty({4}), b = SharedEmpty({4});
+        Queue q(ManyOptions());
+        for (int i = 0; i < kMany; ++i) {
+          try {
+            q.put(i % 2 == 0 ? a : b, true, 1.0);
+          } catch (const Full& e) {
+            const std::string what = e.what();
+            fprintf(stderr, "put %d: %s\n", i, what.c_str());
+            if (i < 200) return 1;  // the limit is far above the old ~278
+            if (what.find("descriptor") == std::string::npos) return 2;
+            if (what.find("get()") == std::string::npos) return 3;  // the cure
+            // The refused tensor again (the newest batch is the other one's, so it cannot share
+            // it).
+            try {
+              q.put_nowait(i % 2 == 0 ? a : b);
+              return 4;
+            } catch (const Full& e2) {
+              if (std::string(e2.what()).find("descriptor") == std::string::npos) return 5;
+            }
+            // Draining makes room again.
+            for (int k = 0; k < 100; ++k) q.get<Tensor>(true, 10.0);
+            q.put(a, true, 5.0);
+            return 0;
+          }
         }
-        // Draining makes room again.
-        for (int k = 0; k < 100; ++k) q.get<Tensor>(true, 10.0);
-        q.put(a, true, 5.0);
-        return 0;
-      }
-    }
-    return 6;  // 20,000 distinct batches in flight: no limit at all would be a leak of kernel memory
-  }, 120s, 120);
+        return 6;  // 20,000 distinct batches in flight: no limit at all would be a leak of kernel
+                   // memory
+      },
+      120s, 120);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
@@ -480,35 +495,39 @@ bool MountTinyDevShm(const char* size) {
 }
 
 TEST(TinyDevShm, ExhaustionIsAClearErrorAndAllocationWorksAgainAfterwards) {
-  auto r = forksafe::testing::RunInChild([] {
-    if (!MountTinyDevShm("4m")) {
-      fprintf(stderr, "no mount namespace: %s\n", strerror(errno));
-      return kNoNamespace;
-    }
-    set_sharing_strategy("file_system");
-    // Sizes of different size classes, small and large, so that freed blocks of one class do not
-    // serve the next round.
-    const int64_t sizes[] = {256, 64 << 10, 4 << 10, 512 << 10, 16, 1 << 20};
-    for (int round = 0; round < 3; ++round) {
-      for (int64_t n : sizes) {
-        std::vector<Tensor> held;
-        try {
-          for (int i = 0; i < 100000; ++i) held.push_back(SharedEmpty({n}, device::DType::kUInt8));
-          return 10;  // 4 MiB cannot hold that much
-        } catch (const Error& e) {
-          if (e.code() != ErrorCode::kResourceExhausted) return 11;
-          if (std::string(e.what()).find("/dev/shm") == std::string::npos) return 12;
+  auto r = forksafe::testing::RunInChild(
+      [] {
+        if (!MountTinyDevShm("4m")) {
+          fprintf(stderr, "no mount namespace: %s\n", strerror(errno));
+          return kNoNamespace;
         }
-        if (held.empty()) {
-          fprintf(stderr, "round %d: not even one tensor of %lld bytes after pressure went away\n",
-                  round, static_cast<long long>(n));
-          return 13;
+        set_sharing_strategy("file_system");
+        // Sizes of different size classes, small and large, so that freed blocks of one class do
+        // not serve the next round.
+        const int64_t sizes[] = {256, 64 << 10, 4 << 10, 512 << 10, 16, 1 << 20};
+        for (int round = 0; round < 3; ++round) {
+          for (int64_t n : sizes) {
+            std::vector<Tensor> held;
+            try {
+              for (int i = 0; i < 100000; ++i)
+                held.push_back(SharedEmpty({n}, device::DType::kUInt8));
+              return 10;  // 4 MiB cannot hold that much
+            } catch (const Error& e) {
+              if (e.code() != ErrorCode::kResourceExhausted) return 11;
+              if (std::string(e.what()).find("/dev/shm") == std::string::npos) return 12;
+            }
+            if (held.empty()) {
+              fprintf(stderr,
+                      "round %d: not even one tensor of %lld bytes after pressure went away\n",
+                      round, static_cast<long long>(n));
+              return 13;
+            }
+          }  // every tensor dropped
         }
-      }  // every tensor dropped
-    }
-    internal::SharedArena::Get().ReleaseCaches();
-    return EntriesOf(getpid()).empty() ? 0 : 14;
-  }, 120s, 120);
+        internal::SharedArena::Get().ReleaseCaches();
+        return EntriesOf(getpid()).empty() ? 0 : 14;
+      },
+      120s, 120);
   if (r.exited && r.exit_code == kNoNamespace) {
     GTEST_SKIP() << "mount namespaces are not permitted here (unshare(CLONE_NEWNS) or mount "
                     "failed): needs root or CAP_SYS_ADMIN";
@@ -529,22 +548,24 @@ bool FillDevShm(size_t bytes) {
 // still gets a segment: the retry asks for the least size that serves the request. Before, the
 // retry never went under 4 MiB, and even a 64-byte tensor failed for good.
 TEST(TinyDevShm, ASmallTensorFitsWhenLessThanASegmentIsFree) {
-  auto r = forksafe::testing::RunInChild([] {
-    if (!MountTinyDevShm("4m")) return kNoNamespace;
-    if (!FillDevShm(size_t{1} << 20)) return 1;
-    set_sharing_strategy("file_system");
-    try {
-      Tensor small = SharedEmpty({64}, device::DType::kUInt8);
-      static_cast<uint8_t*>(small.data_ptr())[63] = 1;
-      Tensor other = SharedEmpty({1000}, device::DType::kUInt8);  // the same segment serves it
-    } catch (const Error& e) {
-      fprintf(stderr, "%s\n", e.what());
-      return 2;
-    }
-    internal::SharedArena::Get().ReleaseCaches();
-    unlink("/dev/shm/hostile-sharing-filler");
-    return EntriesOf(getpid()).empty() ? 0 : 3;
-  }, 60s, 60);
+  auto r = forksafe::testing::RunInChild(
+      [] {
+        if (!MountTinyDevShm("4m")) return kNoNamespace;
+        if (!FillDevShm(size_t{1} << 20)) return 1;
+        set_sharing_strategy("file_system");
+        try {
+          Tensor small = SharedEmpty({64}, device::DType::kUInt8);
+          static_cast<uint8_t*>(small.data_ptr())[63] = 1;
+          Tensor other = SharedEmpty({1000}, device::DType::kUInt8);  // the same segment serves it
+        } catch (const Error& e) {
+          fprintf(stderr, "%s\n", e.what());
+          return 2;
+        }
+        internal::SharedArena::Get().ReleaseCaches();
+        unlink("/dev/shm/hostile-sharing-filler");
+        return EntriesOf(getpid()).empty() ? 0 : 3;
+      },
+      60s, 60);
   if (r.exited && r.exit_code == kNoNamespace) {
     GTEST_SKIP() << "mount namespaces are not permitted here: needs root or CAP_SYS_ADMIN";
   }
@@ -555,31 +576,35 @@ TEST(TinyDevShm, ASmallTensorFitsWhenLessThanASegmentIsFree) {
 // which it is checked against /dev/shm's free space) that fits once they are released is served
 // (the cache is given back before the request is refused). Before, the check refused it at once.
 TEST(TinyDevShm, ALargeTensorReleasesTheCacheBeforeBeingRefused) {
-  auto r = forksafe::testing::RunInChild([] {
-    if (!MountTinyDevShm("80m")) return kNoNamespace;
-    set_sharing_strategy("file_system");
-    {
-      std::vector<Tensor> fill;  // 1 MiB tensors: segments of 4, 8, 16 and 32 MiB
-      for (int i = 0; i < 56; ++i) fill.push_back(SharedEmpty({1 << 20}, device::DType::kUInt8));
-    }  // freed, but the arena keeps the segments cached
-    struct statvfs vfs;
-    if (statvfs("/dev/shm", &vfs) != 0) return 1;
-    const uint64_t free_now = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-    const int64_t big = int64_t{64} << 20;
-    if (free_now >= static_cast<uint64_t>(big)) {
-      fprintf(stderr, "the cache took only %llu bytes\n", (unsigned long long)(80 * 1048576 - free_now));
-      return 2;  // the setup did not fill /dev/shm enough to test anything
-    }
-    try {
-      Tensor t = SharedEmpty({big}, device::DType::kUInt8);
-      static_cast<uint8_t*>(t.data_ptr())[big - 1] = 1;
-    } catch (const Error& e) {
-      fprintf(stderr, "%s\n", e.what());
-      return 3;
-    }
-    internal::SharedArena::Get().ReleaseCaches();
-    return EntriesOf(getpid()).empty() ? 0 : 4;
-  }, 60s, 60);
+  auto r = forksafe::testing::RunInChild(
+      [] {
+        if (!MountTinyDevShm("80m")) return kNoNamespace;
+        set_sharing_strategy("file_system");
+        {
+          std::vector<Tensor> fill;  // 1 MiB tensors: segments of 4, 8, 16 and 32 MiB
+          for (int i = 0; i < 56; ++i)
+            fill.push_back(SharedEmpty({1 << 20}, device::DType::kUInt8));
+        }  // freed, but the arena keeps the segments cached
+        struct statvfs vfs;
+        if (statvfs("/dev/shm", &vfs) != 0) return 1;
+        const uint64_t free_now = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+        const int64_t big = int64_t{64} << 20;
+        if (free_now >= static_cast<uint64_t>(big)) {
+          fprintf(stderr, "the cache took only %llu bytes\n",
+                  (unsigned long long)(80 * 1048576 - free_now));
+          return 2;  // the setup did not fill /dev/shm enough to test anything
+        }
+        try {
+          Tensor t = SharedEmpty({big}, device::DType::kUInt8);
+          static_cast<uint8_t*>(t.data_ptr())[big - 1] = 1;
+        } catch (const Error& e) {
+          fprintf(stderr, "%s\n", e.what());
+          return 3;
+        }
+        internal::SharedArena::Get().ReleaseCaches();
+        return EntriesOf(getpid()).empty() ? 0 : 4;
+      },
+      60s, 60);
   if (r.exited && r.exit_code == kNoNamespace) {
     GTEST_SKIP() << "mount namespaces are not permitted here: needs root or CAP_SYS_ADMIN";
   }
@@ -692,8 +717,9 @@ TEST(SparseSegments, AReceiverMakesResidentOnlyThePagesASegmentHolds) {
   struct stat st;
   ASSERT_EQ(fstat(h.fd.get(), &st), 0);
   constexpr off_t kKept = 1 << 20;  // the headers live in the first page
-  ASSERT_EQ(fallocate(h.fd.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, kKept,
-                      st.st_size - kKept), 0)
+  ASSERT_EQ(
+      fallocate(h.fd.get(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, kKept, st.st_size - kKept),
+      0)
       << strerror(errno);
   Queue report;
   Process p(ProcessOptions{"sparse-receiver", false, "spawn"}, &ImportAndMeasure,
@@ -708,12 +734,14 @@ TEST(SparseSegments, AReceiverMakesResidentOnlyThePagesASegmentHolds) {
 }
 
 TEST(KilledCreators, SigkillAtRandomMomentsWhileCreatingSegmentsLeavesNothing) {
-  auto r = forksafe::testing::RunInChild([] {
-    if (!MountTinyDevShm("64m")) {
-      fprintf(stderr, "no mount namespace (%s): on the shared /dev/shm\n", strerror(errno));
-    }
-    return KillCreatorsAtRandom();
-  }, 60s, 60);
+  auto r = forksafe::testing::RunInChild(
+      [] {
+        if (!MountTinyDevShm("64m")) {
+          fprintf(stderr, "no mount namespace (%s): on the shared /dev/shm\n", strerror(errno));
+        }
+        return KillCreatorsAtRandom();
+      },
+      60s, 60);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
@@ -730,74 +758,77 @@ class ArenaAcrossFork : public ::testing::TestWithParam<bool> {};
 
 TEST_P(ArenaAcrossFork, EachSideKeepsAWorkingArenaAndTrueCounts) {
   const bool hold_lock = GetParam();
-  auto r = forksafe::testing::RunInChild([hold_lock] {
-    set_sharing_strategy("file_system");
-    Tensor kept = Tensor::FromVector(std::vector<float>(1000, 3.f), {1000});
-    share_memory_(kept);
-    const size_t entries_before = EntriesOf(getpid()).size();
-    if (entries_before == 0) return 1;
+  auto r = forksafe::testing::RunInChild(
+      [hold_lock] {
+        set_sharing_strategy("file_system");
+        Tensor kept = Tensor::FromVector(std::vector<float>(1000, 3.f), {1000});
+        share_memory_(kept);
+        const size_t entries_before = EntriesOf(getpid()).size();
+        if (entries_before == 0) return 1;
 
-    runtime::AtForkOptions opt = runtime::AtForkRegistry::Get().options();
-    opt.prepare_deadline = 200ms;
-    runtime::AtForkRegistry::Get().SetOptions(opt);
-    std::atomic<bool> locked{false}, release{false};
-    std::thread holder([&] {
-      std::unique_lock<std::mutex> lk;
-      if (hold_lock) lk = internal::SharedArena::Get().LockForTesting();
-      locked = true;
-      for (int i = 0; i < 1000 && !release; ++i) std::this_thread::sleep_for(10ms);
-    });
-    while (!locked) std::this_thread::sleep_for(1ms);
-    const auto start = std::chrono::steady_clock::now();
-    const pid_t pid = fork();
-    if (pid == 0) {
-      bool gave_up = false;
-      for (const auto& e : runtime::AtForkRegistry::Get().LastReport().events) {
-        if (e.kind == runtime::ForkEventKind::kPrepareGaveUp && e.subsystem == "mp_shared_arena") {
-          gave_up = true;
+        runtime::AtForkOptions opt = runtime::AtForkRegistry::Get().options();
+        opt.prepare_deadline = 200ms;
+        runtime::AtForkRegistry::Get().SetOptions(opt);
+        std::atomic<bool> locked{false}, release{false};
+        std::thread holder([&] {
+          std::unique_lock<std::mutex> lk;
+          if (hold_lock) lk = internal::SharedArena::Get().LockForTesting();
+          locked = true;
+          for (int i = 0; i < 1000 && !release; ++i) std::this_thread::sleep_for(10ms);
+        });
+        while (!locked) std::this_thread::sleep_for(1ms);
+        const auto start = std::chrono::steady_clock::now();
+        const pid_t pid = fork();
+        if (pid == 0) {
+          bool gave_up = false;
+          for (const auto& e : runtime::AtForkRegistry::Get().LastReport().events) {
+            if (e.kind == runtime::ForkEventKind::kPrepareGaveUp &&
+                e.subsystem == "mp_shared_arena") {
+              gave_up = true;
+            }
+          }
+          if (gave_up != hold_lock) _exit(10);
+          // A new shared tensor, through a queue and back: the child's arena works.
+          Tensor fresh = Tensor::FromVector(std::vector<float>(500, 5.f), {500});
+          Queue q;
+          q.put(fresh);
+          Tensor back = q.get<Tensor>(true, 10.0);
+          for (float v : back.ToVector<float>()) {
+            if (v != 5.f) _exit(11);
+          }
+          // The inherited tensor is readable, and dropping it here unlinks nothing of the parent's.
+          for (float v : kept.ToVector<float>()) {
+            if (v != 3.f) _exit(12);
+          }
+          kept = Tensor();
+          fresh = Tensor();
+          back = Tensor();
+          internal::SharedArena::Get().ReleaseCaches();
+          _exit(0);
         }
-      }
-      if (gave_up != hold_lock) _exit(10);
-      // A new shared tensor, through a queue and back: the child's arena works.
-      Tensor fresh = Tensor::FromVector(std::vector<float>(500, 5.f), {500});
-      Queue q;
-      q.put(fresh);
-      Tensor back = q.get<Tensor>(true, 10.0);
-      for (float v : back.ToVector<float>()) {
-        if (v != 5.f) _exit(11);
-      }
-      // The inherited tensor is readable, and dropping it here unlinks nothing of the parent's.
-      for (float v : kept.ToVector<float>()) {
-        if (v != 3.f) _exit(12);
-      }
-      kept = Tensor();
-      fresh = Tensor();
-      back = Tensor();
-      internal::SharedArena::Get().ReleaseCaches();
-      _exit(0);
-    }
-    const auto fork_took = std::chrono::steady_clock::now() - start;
-    release = true;
-    holder.join();
-    if (pid < 0) return 2;
-    auto c = forksafe::testing::WaitChild(pid, 30s);
-    if (!c.exited || c.exit_code != 0) {
-      fprintf(stderr, "child: %s\n", c.Describe().c_str());
-      return 3;
-    }
-    if (fork_took > 5s) return 4;  // bounded by the prepare deadline, not the holder
-    if (EntriesOf(getpid()).size() < entries_before) return 5;  // the child unlinked ours
-    for (float v : kept.ToVector<float>()) {
-      if (v != 3.f) return 6;
-    }
-    // The parent's arena still works after the fork it could not prepare for.
-    Queue q;
-    q.put(kept);
-    if (q.get<Tensor>(true, 10.0).ToVector<float>()[999] != 3.f) return 7;
-    kept = Tensor();
-    internal::SharedArena::Get().ReleaseCaches();
-    return 0;
-  }, 60s, 60);
+        const auto fork_took = std::chrono::steady_clock::now() - start;
+        release = true;
+        holder.join();
+        if (pid < 0) return 2;
+        auto c = forksafe::testing::WaitChild(pid, 30s);
+        if (!c.exited || c.exit_code != 0) {
+          fprintf(stderr, "child: %s\n", c.Describe().c_str());
+          return 3;
+        }
+        if (fork_took > 5s) return 4;  // bounded by the prepare deadline, not the holder
+        if (EntriesOf(getpid()).size() < entries_before) return 5;  // the child unlinked ours
+        for (float v : kept.ToVector<float>()) {
+          if (v != 3.f) return 6;
+        }
+        // The parent's arena still works after the fork it could not prepare for.
+        Queue q;
+        q.put(kept);
+        if (q.get<Tensor>(true, 10.0).ToVector<float>()[999] != 3.f) return 7;
+        kept = Tensor();
+        internal::SharedArena::Get().ReleaseCaches();
+        return 0;
+      },
+      60s, 60);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 

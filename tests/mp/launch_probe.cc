@@ -1,8 +1,8 @@
 // A rank for launchers_test.py: run by mpirun, MPICH's mpiexec and torchrun (--no_python), it
 // prints what it sees and does one of:
 //   info                 "LAUNCH ..." and a Pool.map over 1..10 ("POOL sum=385").
-//   spawn N METHOD       "LAUNCH ..." for itself and "CHILD ..." from each of its N spawn() children.
-//   fail                 spawn() of 2 whose child 1 throws; exits 3 (the failure is in
+//   spawn N METHOD       "LAUNCH ..." for itself and "CHILD ..." from each of its N spawn()
+//   children. fail                 spawn() of 2 whose child 1 throws; exits 3 (the failure is in
 //                        TORCHELASTIC_ERROR_FILE when the launcher set it).
 //   hold DIR             a tensor in /dev/shm (file_system strategy) held by itself and 2 forked
 //                        children; writes DIR/rank<R> with its pid, the children's, its shm
@@ -35,11 +35,11 @@ namespace {
 
 void PrintInfo(const char* tag) {
   const fmp::LaunchInfo i = fmp::GetLaunchInfo();
-  std::printf("%s rank=%d local_rank=%d world=%d local_world=%d node=%d launcher=%s master=%s:%d "
-              "pid=%d ppid=%d\n",
-              tag, i.rank, i.local_rank, i.world_size, i.local_world_size, i.node_rank,
-              fmp::LauncherName(i.launcher), i.master_addr.c_str(), i.master_port, getpid(),
-              getppid());
+  std::printf(
+      "%s rank=%d local_rank=%d world=%d local_world=%d node=%d launcher=%s master=%s:%d "
+      "pid=%d ppid=%d\n",
+      tag, i.rank, i.local_rank, i.world_size, i.local_world_size, i.node_rank,
+      fmp::LauncherName(i.launcher), i.master_addr.c_str(), i.master_port, getpid(), getppid());
   std::fflush(stdout);
 }
 
@@ -109,8 +109,8 @@ int main(int argc, char** argv) {
         std::string(argv[2]) + "/rank" + std::to_string(fmp::GetLaunchInfo().rank);
     {
       std::ofstream f(path + ".tmp");
-      f << getpid() << " " << a.pid() << " " << b.pid() << " "
-        << fmp::internal::ShmManagerPid() << "\n"
+      f << getpid() << " " << a.pid() << " " << b.pid() << " " << fmp::internal::ShmManagerPid()
+        << "\n"
         << names << "\n";
     }
     std::rename((path + ".tmp").c_str(), path.c_str());

@@ -60,9 +60,13 @@ TEST(LaunchInfoTest, NoLauncherIsOneProcess) {
 }
 
 TEST(LaunchInfoTest, TorchrunVariables) {
-  const LaunchInfo i = Parse({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
-                              {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_RANK", "1"},
-                              {"TORCHELASTIC_RUN_ID", "job7"}, {"MASTER_ADDR", "10.0.0.1"},
+  const LaunchInfo i = Parse({{"RANK", "5"},
+                              {"WORLD_SIZE", "8"},
+                              {"LOCAL_RANK", "1"},
+                              {"LOCAL_WORLD_SIZE", "4"},
+                              {"GROUP_RANK", "1"},
+                              {"TORCHELASTIC_RUN_ID", "job7"},
+                              {"MASTER_ADDR", "10.0.0.1"},
                               {"MASTER_PORT", "29500"}});
   EXPECT_EQ(i.launcher, Launcher::kTorchrun);
   EXPECT_EQ(i.rank, 5);
@@ -85,7 +89,8 @@ TEST(LaunchInfoTest, EnvConventionWithoutLocalRankIsOneNode) {
 }
 
 TEST(LaunchInfoTest, OpenMpiVariables) {
-  const LaunchInfo i = Parse({{"OMPI_COMM_WORLD_RANK", "6"}, {"OMPI_COMM_WORLD_SIZE", "8"},
+  const LaunchInfo i = Parse({{"OMPI_COMM_WORLD_RANK", "6"},
+                              {"OMPI_COMM_WORLD_SIZE", "8"},
                               {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
                               {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
   EXPECT_EQ(i.launcher, Launcher::kOpenMpi);
@@ -97,8 +102,11 @@ TEST(LaunchInfoTest, OpenMpiVariables) {
 }
 
 TEST(LaunchInfoTest, MpichVariables) {
-  const LaunchInfo i = Parse({{"PMI_RANK", "3"}, {"PMI_SIZE", "4"}, {"MPI_LOCALRANKID", "1"},
-                              {"MPI_LOCALNRANKS", "2"}, {"PMI_FD", "6"}});
+  const LaunchInfo i = Parse({{"PMI_RANK", "3"},
+                              {"PMI_SIZE", "4"},
+                              {"MPI_LOCALRANKID", "1"},
+                              {"MPI_LOCALNRANKS", "2"},
+                              {"PMI_FD", "6"}});
   EXPECT_EQ(i.launcher, Launcher::kMpich);
   EXPECT_EQ(i.rank, 3);
   EXPECT_EQ(i.world_size, 4);
@@ -108,8 +116,11 @@ TEST(LaunchInfoTest, MpichVariables) {
 }
 
 TEST(LaunchInfoTest, SlurmStepVariables) {
-  const LaunchInfo i = Parse({{"SLURM_PROCID", "6"}, {"SLURM_NTASKS", "7"}, {"SLURM_STEP_ID", "0"},
-                              {"SLURM_LOCALID", "0"}, {"SLURM_NODEID", "3"},
+  const LaunchInfo i = Parse({{"SLURM_PROCID", "6"},
+                              {"SLURM_NTASKS", "7"},
+                              {"SLURM_STEP_ID", "0"},
+                              {"SLURM_LOCALID", "0"},
+                              {"SLURM_NODEID", "3"},
                               {"SLURM_STEP_TASKS_PER_NODE", "2(x3),1"}});
   EXPECT_EQ(i.launcher, Launcher::kSlurm);
   EXPECT_EQ(i.rank, 6);
@@ -117,8 +128,12 @@ TEST(LaunchInfoTest, SlurmStepVariables) {
   EXPECT_EQ(i.local_world_size, 1);  // the fourth node has one task
   EXPECT_EQ(i.node_rank, 3);
   // SLURM_STEP_NUM_TASKS (the step) wins over SLURM_NTASKS (the allocation).
-  EXPECT_EQ(Parse({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "8"}, {"SLURM_STEP_NUM_TASKS", "2"},
-                   {"SLURM_STEPID", "4"}, {"SLURM_LOCALID", "1"}, {"SLURM_NODEID", "0"},
+  EXPECT_EQ(Parse({{"SLURM_PROCID", "1"},
+                   {"SLURM_NTASKS", "8"},
+                   {"SLURM_STEP_NUM_TASKS", "2"},
+                   {"SLURM_STEPID", "4"},
+                   {"SLURM_LOCALID", "1"},
+                   {"SLURM_NODEID", "0"},
                    {"SLURM_TASKS_PER_NODE", "2"}})
                 .world_size,
             2);
@@ -126,9 +141,13 @@ TEST(LaunchInfoTest, SlurmStepVariables) {
 
 TEST(LaunchInfoTest, PmiWithoutLocalRanksTakesThemFromTheSlurmStep) {
   // srun --mpi=pmi2 on two nodes of two tasks: PMI_RANK/PMI_SIZE only, and the step's variables.
-  const LaunchInfo i = Parse({{"PMI_RANK", "3"}, {"PMI_SIZE", "4"}, {"SLURM_PROCID", "3"},
-                              {"SLURM_STEP_ID", "0"}, {"SLURM_STEP_NUM_TASKS", "4"},
-                              {"SLURM_LOCALID", "1"}, {"SLURM_NODEID", "1"},
+  const LaunchInfo i = Parse({{"PMI_RANK", "3"},
+                              {"PMI_SIZE", "4"},
+                              {"SLURM_PROCID", "3"},
+                              {"SLURM_STEP_ID", "0"},
+                              {"SLURM_STEP_NUM_TASKS", "4"},
+                              {"SLURM_LOCALID", "1"},
+                              {"SLURM_NODEID", "1"},
                               {"SLURM_STEP_TASKS_PER_NODE", "2(x2)"}});
   EXPECT_EQ(i.launcher, Launcher::kMpich);
   EXPECT_EQ(i.local_rank, 1);
@@ -137,10 +156,13 @@ TEST(LaunchInfoTest, PmiWithoutLocalRanksTakesThemFromTheSlurmStep) {
   // Without the step, one node is assumed.
   EXPECT_EQ(Parse({{"PMI_RANK", "3"}, {"PMI_SIZE", "4"}}).local_world_size, 4);
   // A huge run length is malformed, not an overflow.
-  EXPECT_NE(ParseError({{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"},
+  EXPECT_NE(ParseError({{"SLURM_PROCID", "0"},
+                        {"SLURM_STEP_ID", "0"},
+                        {"SLURM_NTASKS", "2"},
                         {"SLURM_NODEID", "5"},
-                        {"SLURM_TASKS_PER_NODE", "999999999(x999999999),999999999(x999999999),"
-                                                 "999999999(x999999999)"}})
+                        {"SLURM_TASKS_PER_NODE",
+                         "999999999(x999999999),999999999(x999999999),"
+                         "999999999(x999999999)"}})
                 .find("SLURM_TASKS_PER_NODE"),
             std::string::npos);
 }
@@ -154,16 +176,24 @@ TEST(LaunchInfoTest, AnSbatchScriptIsNotAStep) {
 
 TEST(LaunchInfoTest, TorchrunVariablesWinOverTheOuterLauncher) {
   // A spawn() child inside an Open MPI rank sees both; its own are the torchrun-style ones.
-  const LaunchInfo i = Parse({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
-                              {"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "3"},
-                              {"LOCAL_WORLD_SIZE", "4"}, {"FORKSAFE_LAUNCHER", "spawn"}});
+  const LaunchInfo i = Parse({{"OMPI_COMM_WORLD_RANK", "1"},
+                              {"OMPI_COMM_WORLD_SIZE", "2"},
+                              {"RANK", "3"},
+                              {"WORLD_SIZE", "4"},
+                              {"LOCAL_RANK", "3"},
+                              {"LOCAL_WORLD_SIZE", "4"},
+                              {"FORKSAFE_LAUNCHER", "spawn"}});
   EXPECT_EQ(i.launcher, Launcher::kSpawn);
   EXPECT_EQ(i.rank, 3);
   EXPECT_EQ(i.world_size, 4);
   // Open MPI comes before MPICH and Slurm.
-  EXPECT_EQ(Parse({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"},
-                   {"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"SLURM_PROCID", "1"},
-                   {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"}})
+  EXPECT_EQ(Parse({{"OMPI_COMM_WORLD_RANK", "0"},
+                   {"OMPI_COMM_WORLD_SIZE", "2"},
+                   {"PMI_RANK", "1"},
+                   {"PMI_SIZE", "2"},
+                   {"SLURM_PROCID", "1"},
+                   {"SLURM_STEP_ID", "0"},
+                   {"SLURM_NTASKS", "2"}})
                 .launcher,
             Launcher::kOpenMpi);
 }
@@ -179,30 +209,39 @@ TEST(LaunchInfoTest, MalformedAndContradictoryValuesNameTheVariables) {
             std::string::npos);
   EXPECT_NE(ParseError({{"RANK", " 1"}, {"WORLD_SIZE", "4"}}).find("not a whole number"),
             std::string::npos);
-  EXPECT_NE(ParseError({{"RANK", "4"}, {"WORLD_SIZE", "4"}}).find("RANK=4 is not below WORLD_SIZE=4"),
-            std::string::npos);
-  EXPECT_NE(ParseError({{"RANK", "0"}, {"WORLD_SIZE", "0"}}).find("WORLD_SIZE=0 must be at least 1"),
-            std::string::npos);
-  EXPECT_NE(ParseError({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"},
-                        {"LOCAL_WORLD_SIZE", "8"}})
-                .find("LOCAL_WORLD_SIZE=8 is larger than WORLD_SIZE=4"),
-            std::string::npos);
-  EXPECT_NE(ParseError({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"},
-                        {"LOCAL_WORLD_SIZE", "2"}})
-                .find("LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2"),
-            std::string::npos);
-  EXPECT_NE(ParseError({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
-                        {"LOCAL_WORLD_SIZE", "2"}})
-                .find("LOCAL_RANK=1 is larger than RANK=0"),
-            std::string::npos);
+  EXPECT_NE(
+      ParseError({{"RANK", "4"}, {"WORLD_SIZE", "4"}}).find("RANK=4 is not below WORLD_SIZE=4"),
+      std::string::npos);
+  EXPECT_NE(
+      ParseError({{"RANK", "0"}, {"WORLD_SIZE", "0"}}).find("WORLD_SIZE=0 must be at least 1"),
+      std::string::npos);
+  EXPECT_NE(
+      ParseError(
+          {{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "8"}})
+          .find("LOCAL_WORLD_SIZE=8 is larger than WORLD_SIZE=4"),
+      std::string::npos);
+  EXPECT_NE(
+      ParseError(
+          {{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}})
+          .find("LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2"),
+      std::string::npos);
+  EXPECT_NE(
+      ParseError(
+          {{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"}})
+          .find("LOCAL_RANK=1 is larger than RANK=0"),
+      std::string::npos);
   EXPECT_NE(ParseError({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "2"}})
                 .find("LOCAL_RANK is not"),
             std::string::npos);
   EXPECT_NE(ParseError({{"OMPI_COMM_WORLD_RANK", "2"}}).find("Open MPI"), std::string::npos);
-  EXPECT_NE(ParseError({{"PMI_RANK", "5"}, {"PMI_SIZE", "5"}}).find("PMI_RANK=5 is not below PMI_SIZE=5"),
-            std::string::npos);
-  EXPECT_NE(ParseError({{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"},
-                        {"SLURM_NODEID", "2"}, {"SLURM_TASKS_PER_NODE", "1(x2)"}})
+  EXPECT_NE(
+      ParseError({{"PMI_RANK", "5"}, {"PMI_SIZE", "5"}}).find("PMI_RANK=5 is not below PMI_SIZE=5"),
+      std::string::npos);
+  EXPECT_NE(ParseError({{"SLURM_PROCID", "0"},
+                        {"SLURM_STEP_ID", "0"},
+                        {"SLURM_NTASKS", "2"},
+                        {"SLURM_NODEID", "2"},
+                        {"SLURM_TASKS_PER_NODE", "1(x2)"}})
                 .find("has no task count"),
             std::string::npos);
   EXPECT_NE(ParseError({{"MASTER_PORT", "70000"}}).find("MASTER_PORT=70000 is not a port"),
@@ -265,15 +304,16 @@ TEST(SpawnChildEnvironmentTest, NestedRanksAreEachSeenOnce) {
 
 // A spawn() child checks what it sees against what the rule says, and throws when it differs
 // (the parent's spawn() then fails with the message).
-void CheckMyPlace(int i, int parent_rank, int parent_world, int parent_local, int parent_local_world,
-                  int nprocs, std::string env_probe) {
+void CheckMyPlace(int i, int parent_rank, int parent_world, int parent_local,
+                  int parent_local_world, int nprocs, std::string env_probe) {
   const LaunchInfo me = GetLaunchInfo();
   std::ostringstream why;
   if (me.launcher != Launcher::kSpawn) why << "launcher " << LauncherName(me.launcher) << "; ";
   if (me.rank != parent_rank * nprocs + i) why << "rank " << me.rank << "; ";
   if (me.world_size != parent_world * nprocs) why << "world " << me.world_size << "; ";
   if (me.local_rank != parent_local * nprocs + i) why << "local rank " << me.local_rank << "; ";
-  if (me.local_world_size != parent_local_world * nprocs) why << "local world " << me.local_world_size;
+  if (me.local_world_size != parent_local_world * nprocs)
+    why << "local world " << me.local_world_size;
   // A rendezvous is invented only for the children of a parent that is alone.
   if ((me.master_addr.empty() || me.master_port == 0) == (parent_world == 1)) {
     why << "rendezvous \"" << me.master_addr << "\" for a parent of " << parent_world << "; ";

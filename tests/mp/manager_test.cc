@@ -110,21 +110,28 @@ std::string Repr(const std::vector<std::pair<Key, Val>>& items) {
   os << "{";
   for (size_t i = 0; i < items.size(); ++i) {
     if (i > 0) os << ", ";
-    std::visit([&](const auto& k) {
-      using T = std::decay_t<decltype(k)>;
-      if constexpr (std::is_same_v<T, std::string>) os << "'" << k << "'"; else os << k;
-    }, items[i].first);
+    std::visit(
+        [&](const auto& k) {
+          using T = std::decay_t<decltype(k)>;
+          if constexpr (std::is_same_v<T, std::string>)
+            os << "'" << k << "'";
+          else
+            os << k;
+        },
+        items[i].first);
     os << ": ";
-    std::visit([&](const auto& v) {
-      using T = std::decay_t<decltype(v)>;
-      if constexpr (std::is_same_v<T, std::monostate>) {
-        os << "None";
-      } else if constexpr (std::is_same_v<T, std::string>) {
-        os << "'" << v << "'";
-      } else {
-        os << v;
-      }
-    }, items[i].second);
+    std::visit(
+        [&](const auto& v) {
+          using T = std::decay_t<decltype(v)>;
+          if constexpr (std::is_same_v<T, std::monostate>) {
+            os << "None";
+          } else if constexpr (std::is_same_v<T, std::string>) {
+            os << "'" << v << "'";
+          } else {
+            os << v;
+          }
+        },
+        items[i].second);
   }
   os << "}";
   return os.str();
@@ -262,14 +269,16 @@ TEST_P(ManagerMethods, ManagerDiesWithItsOwner) {
   int fds[2];
   ASSERT_EQ(pipe(fds), 0);
   const std::string method = GetParam();
-  const auto r = RunInChild([&] {
-    close(fds[0]);
-    Manager manager(With(method));
-    const pid_t pid = manager.pid();
-    if (write(fds[1], &pid, sizeof pid) != sizeof pid) return 2;
-    kill(getpid(), SIGKILL);  // the owner dies without shutting down
-    return 3;
-  }, 30s, 30);
+  const auto r = RunInChild(
+      [&] {
+        close(fds[0]);
+        Manager manager(With(method));
+        const pid_t pid = manager.pid();
+        if (write(fds[1], &pid, sizeof pid) != sizeof pid) return 2;
+        kill(getpid(), SIGKILL);  // the owner dies without shutting down
+        return 3;
+      },
+      30s, 30);
   close(fds[1]);
   pid_t manager_pid = 0;
   ASSERT_EQ(read(fds[0], &manager_pid, sizeof manager_pid),
@@ -460,14 +469,16 @@ TEST(ManagerTest, AForkedChildDoesNotReuseItsParentsConnections) {
   // The child (forked from a helper thread) and this thread call the manager at the same time:
   // a shared connection would mix their replies up.
   auto child = std::async(std::launch::async, [&] {
-    return RunInChild([&] {
-      if (internal::IdleManagerConnections() != 0) return 2;
-      for (int i = 1; i <= 200; ++i) {
-        d.set(i, -i);
-        if (d.get(i) != -i) return 3;
-      }
-      return 0;
-    }, 30s, 30);
+    return RunInChild(
+        [&] {
+          if (internal::IdleManagerConnections() != 0) return 2;
+          for (int i = 1; i <= 200; ++i) {
+            d.set(i, -i);
+            if (d.get(i) != -i) return 3;
+          }
+          return 0;
+        },
+        30s, 30);
   });
   for (int i = 0; i < 200; ++i) {
     d.set(1000 + i, i);
@@ -516,10 +527,10 @@ TEST(ManagerTest, KilledManagerFailsEveryCallPromptlyIncludingABlockedOne) {
   EXPECT_NE(b.message().find("gone"), std::string::npos) << b.message();
 
   std::vector<std::function<void()>> calls = {
-      [&] { d.get(1); },          [&] { d.set(2, 2); },       [&] { l.append(2); },
-      [&] { ns.get<int>("x"); },  [&] { lock.release(); },    [&] { rlock.acquire(); },
-      [&] { sem.acquire(); },     [&] { cond.acquire(); },    [&] { ev.wait(); },
-      [&] { bar.wait(); },        [&] { q.get(); },           [&] { v.get(); },
+      [&] { d.get(1); },         [&] { d.set(2, 2); },    [&] { l.append(2); },
+      [&] { ns.get<int>("x"); }, [&] { lock.release(); }, [&] { rlock.acquire(); },
+      [&] { sem.acquire(); },    [&] { cond.acquire(); }, [&] { ev.wait(); },
+      [&] { bar.wait(); },       [&] { q.get(); },        [&] { v.get(); },
       [&] { a.set(0, 1); },
   };
   for (size_t i = 0; i < calls.size(); ++i) {

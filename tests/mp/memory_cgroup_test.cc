@@ -5,8 +5,9 @@
 // tensors) must go on under the limit.
 //
 // The test makes a cgroup of its own (v1 or v2; tests/support/test_cgroup.h) with a 256 MiB limit
-// and moves a forked child into it, or into a cgroup below it. That needs write access to /sys/fs/cgroup (root, outside a read-only mount: the target is
-// tagged no-sandbox); where there is none it skips and says why.
+// and moves a forked child into it, or into a cgroup below it. That needs write access to
+// /sys/fs/cgroup (root, outside a read-only mount: the target is tagged no-sandbox); where there is
+// none it skips and says why.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -107,8 +108,8 @@ int UnderTheLimit() {
     const int code = CodeOf(c.f, &msg);
     if (code != static_cast<int>(ErrorCode::kResourceExhausted) ||
         msg.find("cgroup") == std::string::npos) {
-      fprintf(stderr, "%s: code %d, \"%s\" (wanted kResourceExhausted naming the cgroup)\n",
-              c.what, code, msg.c_str());
+      fprintf(stderr, "%s: code %d, \"%s\" (wanted kResourceExhausted naming the cgroup)\n", c.what,
+              code, msg.c_str());
       return 2;
     }
   }
@@ -143,13 +144,15 @@ TEST(MemoryCgroup, BeyondItsRoomIsAClearErrorAndWorkUnderItGoesOn) {
   std::unique_ptr<forksafe::testing::TestCgroup> cg = MakeMemoryCgroup(&why);
   if (cg == nullptr) GTEST_SKIP() << why;
   const forksafe::testing::TestCgroup* c = cg.get();
-  auto r = forksafe::testing::RunInChild([c] {
-    if (!c->Join()) {
-      fprintf(stderr, "cannot join the cgroup (%s): %s\n", c->dir().c_str(), strerror(errno));
-      return 10;
-    }
-    return UnderTheLimit();
-  }, 120s, 120);
+  auto r = forksafe::testing::RunInChild(
+      [c] {
+        if (!c->Join()) {
+          fprintf(stderr, "cannot join the cgroup (%s): %s\n", c->dir().c_str(), strerror(errno));
+          return 10;
+        }
+        return UnderTheLimit();
+      },
+      120s, 120);
   EXPECT_TRUE(r.ok()) << r.Describe()
                       << " (killed by signal 9: the cgroup's OOM killer, a size not refused)";
 }
@@ -163,34 +166,37 @@ TEST(MemoryCgroup, ALimitOnAnAncestorCgroupIsSeen) {
   std::unique_ptr<forksafe::testing::TestCgroup> cg = MakeMemoryCgroup(&why);
   if (cg == nullptr) GTEST_SKIP() << why;
   if (!cg->v2()) cg->Write("memory.use_hierarchy", "1");  // v1: limits apply to sub-cgroups
-  const std::string inner = cg->MakeSub("inner");  // no limit of its own
+  const std::string inner = cg->MakeSub("inner");         // no limit of its own
   ASSERT_FALSE(inner.empty()) << strerror(errno);
   const forksafe::testing::TestCgroup* c = cg.get();
-  auto r = forksafe::testing::RunInChild([c, &inner] {
-    if (!c->Join(inner)) {
-      fprintf(stderr, "cannot join %s: %s\n", inner.c_str(), strerror(errno));
-      return 10;
-    }
-    bool seen = false;
-    for (const auto& l : runtime::internal::MemoryLimits(runtime::internal::MemoryUse::kShared)) {
-      if (l.name.find(c->dir() + "/memory.") != std::string::npos && l.bytes <= kLimit) {
-        seen = true;
-      }
-    }
-    if (!seen) {
-      fprintf(stderr, "MemoryLimits(kShared) does not list the room under %s\n",
-              c->dir().c_str());
-      return 1;
-    }
-    std::string msg;
-    const int code = CodeOf([] { Array<double> a(size_t{1} << 27); }, &msg);  // 1 GiB
-    if (code != static_cast<int>(ErrorCode::kResourceExhausted) ||
-        msg.find("cgroup") == std::string::npos) {
-      fprintf(stderr, "Array<double>(2^27): code %d, \"%s\"\n", code, msg.c_str());
-      return 2;
-    }
-    return 0;
-  }, 60s, 60);
+  auto r = forksafe::testing::RunInChild(
+      [c, &inner] {
+        if (!c->Join(inner)) {
+          fprintf(stderr, "cannot join %s: %s\n", inner.c_str(), strerror(errno));
+          return 10;
+        }
+        bool seen = false;
+        for (const auto& l :
+             runtime::internal::MemoryLimits(runtime::internal::MemoryUse::kShared)) {
+          if (l.name.find(c->dir() + "/memory.") != std::string::npos && l.bytes <= kLimit) {
+            seen = true;
+          }
+        }
+        if (!seen) {
+          fprintf(stderr, "MemoryLimits(kShared) does not list the room under %s\n",
+                  c->dir().c_str());
+          return 1;
+        }
+        std::string msg;
+        const int code = CodeOf([] { Array<double> a(size_t{1} << 27); }, &msg);  // 1 GiB
+        if (code != static_cast<int>(ErrorCode::kResourceExhausted) ||
+            msg.find("cgroup") == std::string::npos) {
+          fprintf(stderr, "Array<double>(2^27): code %d, \"%s\"\n", code, msg.c_str());
+          return 2;
+        }
+        return 0;
+      },
+      60s, 60);
   EXPECT_TRUE(r.ok()) << r.Describe()
                       << " (killed by signal 9: the cgroup's OOM killer, a size not refused)";
 }

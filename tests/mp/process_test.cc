@@ -27,7 +27,9 @@ using runtime::ErrorCode;
 using namespace std::chrono_literals;
 
 // ---- entry points (registered: usable with every start method) ----
-void Echo(Connection out, int x, std::string s) { out.send(x * 2, s + "!", static_cast<int>(getppid())); }
+void Echo(Connection out, int x, std::string s) {
+  out.send(x * 2, s + "!", static_cast<int>(getppid()));
+}
 FORKSAFE_ENTRY_POINT(Echo);
 
 void ExitWith(int code) { std::exit(code); }
@@ -187,11 +189,14 @@ INSTANTIATE_TEST_SUITE_P(StartMethods, ProcessTest,
 TEST(ProcessForkTest, AnyCallableWorksWithFork) {
   auto [parent, child] = Pipe();
   std::vector<int> captured = {1, 2, 3};
-  Process p(ProcessOptions{"", false, "fork"}, [captured](Connection c, int k) {
-    int sum = 0;
-    for (int x : captured) sum += x * k;
-    c.send(sum);
-  }, child, 10);
+  Process p(
+      ProcessOptions{"", false, "fork"},
+      [captured](Connection c, int k) {
+        int sum = 0;
+        for (int x : captured) sum += x * k;
+        c.send(sum);
+      },
+      child, 10);
   p.start();
   ASSERT_TRUE(parent.poll(30s));
   EXPECT_EQ(parent.recv<int>(), 60);
@@ -286,14 +291,16 @@ TEST(ProcessErrorsTest, StartMethodsAreValuesParsedAtTheEdge) {
 TEST(ProcessErrorsTest, AnInheritedProcessRefusesToActInAForkedChild) {
   Process p(ProcessOptions{"", false, "fork"}, &SleepSeconds, 60);
   p.start();
-  auto r = forksafe::testing::RunInChild([&] {
-    try {
-      p.terminate();
-      return 1;
-    } catch (const Error& e) {
-      return e.code() == ErrorCode::kFailedPrecondition ? 0 : 2;
-    }
-  }, 20s);
+  auto r = forksafe::testing::RunInChild(
+      [&] {
+        try {
+          p.terminate();
+          return 1;
+        } catch (const Error& e) {
+          return e.code() == ErrorCode::kFailedPrecondition ? 0 : 2;
+        }
+      },
+      20s);
   EXPECT_TRUE(r.ok()) << r.Describe();
   EXPECT_TRUE(p.is_alive()) << "the sibling must not have been signalled";
   p.kill();

@@ -66,9 +66,7 @@ bool IsHex(const std::string& s) {
 }
 
 // Runs in a child process: creates `path` (the visible effect a served request would have).
-void TouchMarker(std::string path) {
-  std::ofstream(path) << "served\n";
-}
+void TouchMarker(std::string path) { std::ofstream(path) << "served\n"; }
 FORKSAFE_ENTRY_POINT(TouchMarker);
 
 void Quiet() {}
@@ -115,8 +113,8 @@ TEST(SecurityModesTest, EverySharedMemoryFileIsOwnerOnly) {
     if (!is_memfd && !is_named) continue;
     struct stat st;
     ASSERT_EQ(fstat(f.fd, &st), 0);
-    EXPECT_EQ(st.st_mode & 07777, 0600u) << f.target << " (fd " << f.fd << ") has mode "
-                                         << std::oct << (st.st_mode & 07777);
+    EXPECT_EQ(st.st_mode & 07777, 0600u)
+        << f.target << " (fd " << f.fd << ") has mode " << std::oct << (st.st_mode & 07777);
     EXPECT_EQ(st.st_uid, geteuid()) << f.target;
     memfds += is_memfd;
     named += is_named;
@@ -202,7 +200,7 @@ TEST(SecurityNamesTest, NamedSegmentsCarry128RandomBits) {
 // generator state (which would make the parent's next names predictable from the child's).
 TEST(SecurityNamesTest, AForkedChildDoesNotRepeatItsParentsNames) {
   auto warm = SharedArena::Get().Allocate(1024, SegmentKind::kNamed, false);  // state exists
-  auto pipe = Pipe(false);  // (reader, writer)
+  auto pipe = Pipe(false);                                                    // (reader, writer)
   Connection& reader = pipe.first;
   Connection& writer = pipe.second;
   forksafe::testing::ChildResult r = forksafe::testing::RunInChild(
@@ -227,7 +225,8 @@ TEST(SecurityNamesTest, AForkedChildDoesNotRepeatItsParentsNames) {
 // deadline, the fork goes on and the child closes every copy (dups included) before it runs.
 void ExpectNoChildGetsAHandoff(std::chrono::milliseconds held) {
   std::atomic<bool> made{false};
-  struct stat pipe_st {}, socket_st {};
+  struct stat pipe_st {
+  }, socket_st{};
   std::thread holder([&] {
     internal::SecretHandoff handoff(std::string(internal::kSecretBytes, 's'));
     auto [mine, theirs] = Pipe(true);

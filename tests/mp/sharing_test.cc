@@ -60,8 +60,7 @@ bool NotFromAnotherPidNamespace(const std::string& name) {
   const bool full = fstat(fd, &st) == 0 && st.st_size >= 4096 &&
                     pread(fd, header, sizeof(header), 0) == static_cast<ssize_t>(sizeof(header));
   close(fd);
-  return !full || header[0] != 0x66736172656e6131ull ||
-         header[4] == internal::PidNamespaceId();
+  return !full || header[0] != 0x66736172656e6131ull || header[4] == internal::PidNamespaceId();
 }
 
 // The /dev/shm entries of process `pid` of this pid namespace.
@@ -111,7 +110,8 @@ FORKSAFE_ENTRY_POINT(CheckIdentity);
 void HoldNamedSegmentUntilKilled(Queue report) {
   set_sharing_strategy("file_system");
   Tensor t = SharedEmpty({1024});
-  report.put(std::make_pair(static_cast<int>(getpid()), static_cast<int>(internal::ShmManagerPid())));
+  report.put(
+      std::make_pair(static_cast<int>(getpid()), static_cast<int>(internal::ShmManagerPid())));
   std::this_thread::sleep_for(60s);
 }
 FORKSAFE_ENTRY_POINT(HoldNamedSegmentUntilKilled);
@@ -240,7 +240,8 @@ TEST(ShareMemoryTest, InPlaceForEveryViewOfTheStorage) {
   share_memory_(t);  // idempotent
   // Accelerator memory that its backend can export is shareable where it is (as torch does for
   // CUDA): share_memory_ only marks it (tests/mp/accel_ipc_test.cc sends such tensors).
-  Tensor sim = Tensor::Zeros({2}, DType::kFloat32, device::Device(device::DeviceType::kSimAccel, 0));
+  Tensor sim =
+      Tensor::Zeros({2}, DType::kFloat32, device::Device(device::DeviceType::kSimAccel, 0));
   void* where = sim.data_ptr();
   share_memory_(sim);
   EXPECT_TRUE(sim.is_shared());
@@ -342,40 +343,42 @@ TEST(SharingTest, PutAndGetInOneProcess) {
 }
 
 TEST(SharingTest, HundredThousandTensorsUnderADescriptorLimitOf1024) {
-  auto r = forksafe::testing::RunInChild([] {
-    rlimit lim{1024, 1024};
-    if (setrlimit(RLIMIT_NOFILE, &lim) != 0) return 1;
-    const int n = 100000;
-    Queue q(QueueOptions{0, 4 << 20}), verdict;
-    Process consumer(ProcessOptions{"", false, "fork"}, [q, verdict, n]() mutable {
-      std::vector<Tensor> all;
-      all.reserve(n);
-      while (static_cast<int>(all.size()) < n) {
-        auto batch = q.get<std::vector<Tensor>>(true, 60.0);
-        for (auto& t : batch) all.push_back(std::move(t));
-      }
-      double sum = 0;
-      for (const Tensor& t : all) sum += static_cast<const float*>(t.data_ptr())[0];
-      verdict.put(std::make_pair(sum, OpenFds()));
-    });
-    consumer.start();
-    std::vector<Tensor> mine;
-    mine.reserve(n);
-    for (int i = 0; i < n; ++i) {
-      mine.push_back(SharedEmpty({16}));
-      static_cast<float*>(mine.back().data_ptr())[0] = 1.f;
-    }
-    for (int i = 0; i < n; i += 5000) {
-      q.put(std::vector<Tensor>(mine.begin() + i, mine.begin() + std::min(n, i + 5000)));
-    }
-    auto [sum, fds] = verdict.get<std::pair<double, int>>(true, 120.0);
-    if (!consumer.join(60.0) || consumer.exitcode() != 0) return 2;
-    fprintf(stderr, "100000 tensors: sum %.0f, consumer holds %d descriptors, producer %d\n", sum,
-            fds, OpenFds());
-    if (sum != n) return 3;
-    if (fds > 200 || OpenFds() > 200) return 4;
-    return 0;
-  }, 240s, 240);
+  auto r = forksafe::testing::RunInChild(
+      [] {
+        rlimit lim{1024, 1024};
+        if (setrlimit(RLIMIT_NOFILE, &lim) != 0) return 1;
+        const int n = 100000;
+        Queue q(QueueOptions{0, 4 << 20}), verdict;
+        Process consumer(ProcessOptions{"", false, "fork"}, [q, verdict, n]() mutable {
+          std::vector<Tensor> all;
+          all.reserve(n);
+          while (static_cast<int>(all.size()) < n) {
+            auto batch = q.get<std::vector<Tensor>>(true, 60.0);
+            for (auto& t : batch) all.push_back(std::move(t));
+          }
+          double sum = 0;
+          for (const Tensor& t : all) sum += static_cast<const float*>(t.data_ptr())[0];
+          verdict.put(std::make_pair(sum, OpenFds()));
+        });
+        consumer.start();
+        std::vector<Tensor> mine;
+        mine.reserve(n);
+        for (int i = 0; i < n; ++i) {
+          mine.push_back(SharedEmpty({16}));
+          static_cast<float*>(mine.back().data_ptr())[0] = 1.f;
+        }
+        for (int i = 0; i < n; i += 5000) {
+          q.put(std::vector<Tensor>(mine.begin() + i, mine.begin() + std::min(n, i + 5000)));
+        }
+        auto [sum, fds] = verdict.get<std::pair<double, int>>(true, 120.0);
+        if (!consumer.join(60.0) || consumer.exitcode() != 0) return 2;
+        fprintf(stderr, "100000 tensors: sum %.0f, consumer holds %d descriptors, producer %d\n",
+                sum, fds, OpenFds());
+        if (sum != n) return 3;
+        if (fds > 200 || OpenFds() > 200) return 4;
+        return 0;
+      },
+      240s, 240);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
@@ -442,60 +445,66 @@ TEST(SharingTest, AForkedChildMapsABlockItsParentReusedAfterTheFork) {
 }
 
 TEST(SharingTest, RunningOutIsAClearErrorNotASigbus) {
-  auto r = forksafe::testing::RunInChild([] {
-    // /dev/shm: ask for more than it has free.
-    set_sharing_strategy("file_system");
-    struct statvfs vfs;
-    if (statvfs("/dev/shm", &vfs) != 0) return 1;
-    const int64_t too_many = static_cast<int64_t>(vfs.f_bavail * vfs.f_frsize / 4) + (1 << 20);
-    try {
-      SharedEmpty({too_many});
-      return 2;
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::kResourceExhausted) return 3;
-      if (std::string(e.what()).find("/dev/shm") == std::string::npos) return 4;
-    }
-    // Descriptors: none left for a new segment.
-    set_sharing_strategy("file_descriptor");
-    set_sharing_cache_enabled(false);  // every tensor needs a segment (and a descriptor) of its own
-    rlimit lim{64, 64};
-    setrlimit(RLIMIT_NOFILE, &lim);
-    std::vector<Tensor> keep;
-    try {
-      for (int i = 0; i < 100; ++i) keep.push_back(SharedEmpty({4}));
-      return 5;
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::kResourceExhausted) return 6;
-      if (std::string(e.what()).find("ulimit -n") == std::string::npos) return 7;
-    }
-    return 0;
-  }, 60s, 60);
+  auto r = forksafe::testing::RunInChild(
+      [] {
+        // /dev/shm: ask for more than it has free.
+        set_sharing_strategy("file_system");
+        struct statvfs vfs;
+        if (statvfs("/dev/shm", &vfs) != 0) return 1;
+        const int64_t too_many = static_cast<int64_t>(vfs.f_bavail * vfs.f_frsize / 4) + (1 << 20);
+        try {
+          SharedEmpty({too_many});
+          return 2;
+        } catch (const Error& e) {
+          if (e.code() != ErrorCode::kResourceExhausted) return 3;
+          if (std::string(e.what()).find("/dev/shm") == std::string::npos) return 4;
+        }
+        // Descriptors: none left for a new segment.
+        set_sharing_strategy("file_descriptor");
+        set_sharing_cache_enabled(
+            false);  // every tensor needs a segment (and a descriptor) of its own
+        rlimit lim{64, 64};
+        setrlimit(RLIMIT_NOFILE, &lim);
+        std::vector<Tensor> keep;
+        try {
+          for (int i = 0; i < 100; ++i) keep.push_back(SharedEmpty({4}));
+          return 5;
+        } catch (const Error& e) {
+          if (e.code() != ErrorCode::kResourceExhausted) return 6;
+          if (std::string(e.what()).find("ulimit -n") == std::string::npos) return 7;
+        }
+        return 0;
+      },
+      60s, 60);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
 TEST(SharingTest, FileSystemStrategyRoundTripLeavesNothingInDevShm) {
-  auto r = forksafe::testing::RunInChild([] {
-    set_sharing_strategy("file_system");
-    {
-      Queue q, done;
-      Process p(ProcessOptions{"", false, "spawn"}, &AddOne, q, done);
-      p.start();
-      Tensor t = Tensor::FromVector(std::vector<float>(100, 1.f), {100});
-      q.put(t);
-      if (!done.get<bool>(true, 30.0)) return 1;
-      if (!p.join(30.0)) return 2;
-      if (t.ToVector<float>()[99] != 2.f) return 3;
-      // The segment is a private, unguessable name in /dev/shm while it lives.
-      auto names = ShmEntriesOf(getpid());
-      if (names.size() != 1) return 4;
-      struct stat st;
-      if (stat(("/dev/shm/" + names[0]).c_str(), &st) != 0 || (st.st_mode & 0777) != 0600) return 5;
-      if (names[0].size() < std::string("forksafe_1_").size() + 32) return 6;
-      internal::SharedArena::Get().EmptyCache();
-    }
-    internal::SharedArena::Get().EmptyCache();
-    return ShmEntriesOf(getpid()).empty() ? 0 : 7;
-  }, 60s, 60);
+  auto r = forksafe::testing::RunInChild(
+      [] {
+        set_sharing_strategy("file_system");
+        {
+          Queue q, done;
+          Process p(ProcessOptions{"", false, "spawn"}, &AddOne, q, done);
+          p.start();
+          Tensor t = Tensor::FromVector(std::vector<float>(100, 1.f), {100});
+          q.put(t);
+          if (!done.get<bool>(true, 30.0)) return 1;
+          if (!p.join(30.0)) return 2;
+          if (t.ToVector<float>()[99] != 2.f) return 3;
+          // The segment is a private, unguessable name in /dev/shm while it lives.
+          auto names = ShmEntriesOf(getpid());
+          if (names.size() != 1) return 4;
+          struct stat st;
+          if (stat(("/dev/shm/" + names[0]).c_str(), &st) != 0 || (st.st_mode & 0777) != 0600)
+            return 5;
+          if (names[0].size() < std::string("forksafe_1_").size() + 32) return 6;
+          internal::SharedArena::Get().EmptyCache();
+        }
+        internal::SharedArena::Get().EmptyCache();
+        return ShmEntriesOf(getpid()).empty() ? 0 : 7;
+      },
+      60s, 60);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 

@@ -205,8 +205,7 @@ TEST(LockTest, NegativeTimeoutsAreInvalidArgument) {
   EXPECT_EQ(CodeOf([&] { event.wait(-1s); }), ErrorCode::kInvalidArgument);
   ASSERT_TRUE(cond.acquire());
   EXPECT_EQ(CodeOf([&] { cond.wait(-1s); }), ErrorCode::kInvalidArgument);
-  EXPECT_EQ(CodeOf([&] { cond.wait_for([] { return false; }, -1s); }),
-            ErrorCode::kInvalidArgument);
+  EXPECT_EQ(CodeOf([&] { cond.wait_for([] { return false; }, -1s); }), ErrorCode::kInvalidArgument);
   cond.release();
   EXPECT_EQ(CodeOf([&] { barrier.wait(-1s); }), ErrorCode::kInvalidArgument);
   EXPECT_EQ(CodeOf([&] { Barrier(2, nullptr, -1s); }), ErrorCode::kInvalidArgument);
@@ -539,8 +538,7 @@ TEST(BarrierTest, ThrowingActionBreaksItAndReachesTheLastParty) {
       barrier.wait(10s);
     } catch (const Error& e) {
       // Either this process ran the action (kInternal) or it saw the barrier break.
-      return e.code() == ErrorCode::kInternal || e.code() == ErrorCode::kFailedPrecondition ? 0
-                                                                                            : 1;
+      return e.code() == ErrorCode::kInternal || e.code() == ErrorCode::kFailedPrecondition ? 0 : 1;
     }
     return 2;
   });
@@ -585,7 +583,10 @@ TEST(ValueTest, WithoutLockAndStructs) {
   EXPECT_EQ(p.get().x, 1);
   const ChildResult r = RunInChild(
       [&] {
-        p.update([](Point& q) { q.x += 41; q.y *= 2; });
+        p.update([](Point& q) {
+          q.x += 41;
+          q.y *= 2;
+        });
         return 0;
       },
       kChildTimeout);
@@ -596,9 +597,14 @@ TEST(ValueTest, WithoutLockAndStructs) {
   Value<int> raw(7, /*lock=*/false);
   EXPECT_FALSE(raw.has_lock());
   EXPECT_EQ(CodeOf([&] { raw.get_lock(); }), ErrorCode::kFailedPrecondition);
-  EXPECT_EQ(CodeOf([&] { raw.update([](int v) { return v; }); }),
-            ErrorCode::kFailedPrecondition);
-  EXPECT_TRUE(RunInChild([&] { raw.set(8); return 0; }, kChildTimeout).ok());
+  EXPECT_EQ(CodeOf([&] { raw.update([](int v) { return v; }); }), ErrorCode::kFailedPrecondition);
+  EXPECT_TRUE(RunInChild(
+                  [&] {
+                    raw.set(8);
+                    return 0;
+                  },
+                  kChildTimeout)
+                  .ok());
   EXPECT_EQ(raw.get(), 8);
 }
 

@@ -13,9 +13,9 @@
 #include <thread>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/framework_lock.h"
+#include "gtest/gtest.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::runtime {
@@ -45,8 +45,12 @@ AtForkHandler Tracing(Trace* t, const std::string& name) {
     t->Add("prepare:" + name);
     return true;
   };
-  h.parent = [t, name](bool prepared) { t->Add(std::string("parent:") + name + (prepared ? "" : "!")); };
-  h.child = [t, name](bool prepared) { t->Add(std::string("child:") + name + (prepared ? "" : "!")); };
+  h.parent = [t, name](bool prepared) {
+    t->Add(std::string("parent:") + name + (prepared ? "" : "!"));
+  };
+  h.child = [t, name](bool prepared) {
+    t->Add(std::string("child:") + name + (prepared ? "" : "!"));
+  };
   return h;
 }
 
@@ -95,11 +99,10 @@ TEST_F(AtForkTest, FailedPrepareRollsBackAndRetries) {
   AtForkRegistration rb(&b, Tracing(&t, "b"));
   auto child = RunInChild([] { return 0; });
   ASSERT_TRUE(child.ok()) << child.Describe();
-  const std::vector<std::string> want = {
-      "prepare:b", "prepare:a#1", "parent:b",  // roll-back of b
-      "prepare:b", "prepare:a#2", "parent:b",  // roll-back again
-      "prepare:b", "prepare:a#3",              // success
-      "parent:a",  "parent:b"};
+  const std::vector<std::string> want = {"prepare:b", "prepare:a#1", "parent:b",  // roll-back of b
+                                         "prepare:b", "prepare:a#2", "parent:b",  // roll-back again
+                                         "prepare:b", "prepare:a#3",              // success
+                                         "parent:a",  "parent:b"};
   EXPECT_EQ(t.Take(), want);
   ForkReport report = AtForkRegistry::Get().LastReport();
   EXPECT_EQ(report.attempts, 3);
@@ -159,8 +162,12 @@ TEST_F(AtForkTest, RollBackBreaksLockOrderDeadlock) {
   AtForkHandler ha;  // registered first, prepared last
   ha.name = "subsystem_a";
   ha.prepare = [&](const PrepareAttempt&) { return try_lock_for_2ms(ma); };
-  ha.parent = [&](bool p) { if (p) ma.unlock(); };
-  ha.child = [&](bool p) { if (p) ma.unlock(); };
+  ha.parent = [&](bool p) {
+    if (p) ma.unlock();
+  };
+  ha.child = [&](bool p) {
+    if (p) ma.unlock();
+  };
   AtForkHandler hb;  // registered second, prepared first
   hb.name = "subsystem_b";
   hb.prepare = [&](const PrepareAttempt&) {
@@ -168,8 +175,12 @@ TEST_F(AtForkTest, RollBackBreaksLockOrderDeadlock) {
     b_prepared = true;
     return true;
   };
-  hb.parent = [&](bool p) { if (p) mb.unlock(); };
-  hb.child = [&](bool p) { if (p) mb.unlock(); };
+  hb.parent = [&](bool p) {
+    if (p) mb.unlock();
+  };
+  hb.child = [&](bool p) {
+    if (p) mb.unlock();
+  };
   AtForkRegistration ra(&a, std::move(ha));
   AtForkRegistration rb(&b, std::move(hb));
 
@@ -238,8 +249,9 @@ TEST_F(AtForkTest, RegisteringFromAHandlerIsAnErrorNotAHang) {
     }
   };
   AtForkRegistration ra(&a, std::move(h));
-  auto child = RunInChild([&] { return child_error.find("inside an at-fork handler") != std::string::npos ? 0 : 1; },
-                          10s);
+  auto child = RunInChild(
+      [&] { return child_error.find("inside an at-fork handler") != std::string::npos ? 0 : 1; },
+      10s);
   EXPECT_TRUE(child.ok()) << child.Describe();
   EXPECT_NE(prepare_error.find("failed_precondition"), std::string::npos) << prepare_error;
   EXPECT_FALSE(AtForkRegistry::Get().IsRegistered(&inner));
@@ -311,14 +323,14 @@ TEST_F(AtForkTest, FrameworkLockIsTakenLastAndReleasedFirst) {
   AtForkRegistration ra(&a, Tracing(&t, "a"));
   AtForkRegistration rb(&b, Tracing(&t, "b"));
   auto child = RunInChild([&] {
-    const std::vector<std::string> want = {"prepare:b", "prepare:a", "framework_lock",
-                                           "framework_unlock", "child:a", "child:b"};
+    const std::vector<std::string> want = {"prepare:b",        "prepare:a", "framework_lock",
+                                           "framework_unlock", "child:a",   "child:b"};
     return t.Take() == want ? 0 : 1;
   });
   SetFrameworkLock(nullptr);
   EXPECT_TRUE(child.ok()) << child.Describe();
-  const std::vector<std::string> want = {"prepare:b", "prepare:a", "framework_lock",
-                                         "framework_unlock", "parent:a", "parent:b"};
+  const std::vector<std::string> want = {"prepare:b",        "prepare:a", "framework_lock",
+                                         "framework_unlock", "parent:a",  "parent:b"};
   EXPECT_EQ(t.Take(), want);
 }
 
@@ -410,12 +422,14 @@ TEST_F(AtForkTest, AFrameworkLockThatLetsGoDuringPrepareLetsDrainedTasksTakeIt) 
 
 TEST_F(AtForkTest, ForkingWhileHoldingTheFrameworkLockDoesNotDeadlock) {
   FrameworkLockGuard hold;
-  auto child = RunInChild([] {
-    FrameworkLock& l = GetFrameworkLock();
-    if (!l.HeldByCurrentThread()) return 1;  // still ours in the child
-    l.Unlock();
-    return l.TryLockFor(std::chrono::milliseconds(100)) ? 0 : 2;
-  }, 10s);
+  auto child = RunInChild(
+      [] {
+        FrameworkLock& l = GetFrameworkLock();
+        if (!l.HeldByCurrentThread()) return 1;  // still ours in the child
+        l.Unlock();
+        return l.TryLockFor(std::chrono::milliseconds(100)) ? 0 : 2;
+      },
+      10s);
   EXPECT_TRUE(child.ok()) << child.Describe();
   EXPECT_TRUE(GetFrameworkLock().HeldByCurrentThread());
   EXPECT_TRUE(AtForkRegistry::Get().LastReport().clean())
@@ -433,10 +447,12 @@ TEST_F(AtForkTest, FrameworkLockHeldElsewhereTimesOutAndChildGetsAFreshLock) {
     while (!release) std::this_thread::sleep_for(1ms);
   });
   while (!held) std::this_thread::sleep_for(100us);
-  auto child = RunInChild([] {
-    // The holder thread does not exist here; the lock must be free.
-    return GetFrameworkLock().TryLockFor(std::chrono::milliseconds(100)) ? 0 : 1;
-  }, 10s);
+  auto child = RunInChild(
+      [] {
+        // The holder thread does not exist here; the lock must be free.
+        return GetFrameworkLock().TryLockFor(std::chrono::milliseconds(100)) ? 0 : 1;
+      },
+      10s);
   release = true;
   holder.join();
   EXPECT_TRUE(child.ok()) << child.Describe();
@@ -452,12 +468,14 @@ TEST_F(AtForkTest, UnlockingAFrameworkLockNotHeldIsAnError) {
 TEST_F(AtForkTest, ForkGenerationCountsDownTheLineage) {
   const uint64_t here = ForkGeneration();
   const uint64_t forks_before = AtForkRegistry::Get().fork_count();
-  auto child = RunInChild([here] {
-    if (ForkGeneration() != here + 1) return 1;
-    if (AtForkRegistry::Get().fork_count() != 0) return 2;
-    auto grandchild = RunInChild([here] { return ForkGeneration() == here + 2 ? 0 : 1; }, 10s);
-    return grandchild.ok() ? 0 : 3;
-  }, 20s);
+  auto child = RunInChild(
+      [here] {
+        if (ForkGeneration() != here + 1) return 1;
+        if (AtForkRegistry::Get().fork_count() != 0) return 2;
+        auto grandchild = RunInChild([here] { return ForkGeneration() == here + 2 ? 0 : 1; }, 10s);
+        return grandchild.ok() ? 0 : 3;
+      },
+      20s);
   EXPECT_TRUE(child.ok()) << child.Describe();
   EXPECT_EQ(ForkGeneration(), here);
   EXPECT_EQ(AtForkRegistry::Get().fork_count(), forks_before + 1);
@@ -487,8 +505,8 @@ TEST_F(AtForkTest, ARegistrationDestroyedInsideAForkCallbackIsRetiredAndReported
   const ForkReport r = AtForkRegistry::Get().LastReport();
   bool reported = false;
   for (const ForkEvent& e : r.events) {
-    reported = reported || (e.kind == ForkEventKind::kHandlerThrew &&
-                            e.subsystem == "self_destroying");
+    reported =
+        reported || (e.kind == ForkEventKind::kHandlerThrew && e.subsystem == "self_destroying");
   }
   EXPECT_TRUE(reported) << r.ToString();
   EXPECT_EQ(parents.load(), 0) << "a retired handler's parent callback ran";

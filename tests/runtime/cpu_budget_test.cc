@@ -29,7 +29,6 @@
 #include <thread>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "forksafe/mp/pool.h"
 #include "forksafe/runtime/cpu_budget.h"
 #include "forksafe/runtime/error.h"
@@ -37,6 +36,7 @@
 #include "forksafe/runtime/internal/cpu_budget_parts.h"
 #include "forksafe/runtime/internal/memory_bounds.h"
 #include "forksafe/runtime/thread_pool.h"
+#include "gtest/gtest.h"
 #include "tests/support/child_process.h"
 #include "tests/support/test_cgroup.h"
 
@@ -197,16 +197,18 @@ class TempTree {
 
 TEST(CpuBudgetTest, DefaultsFollowAffinity) {
   if (MaskCpus() < 2) GTEST_SKIP() << "needs 2 CPUs in the mask to show a difference";
-  auto r = RunInChild([] {
-    ClearOverrides();
-    if (!PinToOneCpu()) return 2;
-    const CpuBudget b = GetCpuBudget();
-    if (b.affinity_cpus != 1 || b.cpus != 1) {
-      fprintf(stderr, "budget under a 1-CPU mask: %s\n", b.ToString().c_str());
-      return 5;
-    }
-    return DefaultsAre(1, "1-CPU mask");
-  }, 60s);
+  auto r = RunInChild(
+      [] {
+        ClearOverrides();
+        if (!PinToOneCpu()) return 2;
+        const CpuBudget b = GetCpuBudget();
+        if (b.affinity_cpus != 1 || b.cpus != 1) {
+          fprintf(stderr, "budget under a 1-CPU mask: %s\n", b.ToString().c_str());
+          return 5;
+        }
+        return DefaultsAre(1, "1-CPU mask");
+      },
+      60s);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
@@ -224,25 +226,29 @@ TEST(CpuBudgetTest, TheWholeMaskIsUsedWhenNothingElseLimits) {
 // ---- the overrides ----------------------------------------------------------------------------
 
 TEST(CpuBudgetTest, ForksafeNumThreadsWinsOverOmpAndTheMask) {
-  auto r = RunInChild([] {
-    ClearOverrides();
-    if (!PinToOneCpu()) return 2;
-    setenv(kForksafeNumThreadsEnv, "3", 1);
-    setenv(kOmpNumThreadsEnv, "2", 1);
-    if (GetCpuBudget().source != CpuBudgetSource::kForksafeNumThreads) return 5;
-    return DefaultsAre(3, "FORKSAFE_NUM_THREADS=3 OMP_NUM_THREADS=2");
-  }, 60s);
+  auto r = RunInChild(
+      [] {
+        ClearOverrides();
+        if (!PinToOneCpu()) return 2;
+        setenv(kForksafeNumThreadsEnv, "3", 1);
+        setenv(kOmpNumThreadsEnv, "2", 1);
+        if (GetCpuBudget().source != CpuBudgetSource::kForksafeNumThreads) return 5;
+        return DefaultsAre(3, "FORKSAFE_NUM_THREADS=3 OMP_NUM_THREADS=2");
+      },
+      60s);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
 TEST(CpuBudgetTest, OmpNumThreadsFirstNumberIsUsed) {
-  auto r = RunInChild([] {
-    ClearOverrides();
-    setenv(kOmpNumThreadsEnv, " 3 ,2,1", 1);
-    setenv(kForksafeNumThreadsEnv, "", 1);  // empty: as if unset
-    if (GetCpuBudget().source != CpuBudgetSource::kOmpNumThreads) return 5;
-    return DefaultsAre(3, "OMP_NUM_THREADS=\" 3 ,2,1\"");
-  }, 60s);
+  auto r = RunInChild(
+      [] {
+        ClearOverrides();
+        setenv(kOmpNumThreadsEnv, " 3 ,2,1", 1);
+        setenv(kForksafeNumThreadsEnv, "", 1);  // empty: as if unset
+        if (GetCpuBudget().source != CpuBudgetSource::kOmpNumThreads) return 5;
+        return DefaultsAre(3, "OMP_NUM_THREADS=\" 3 ,2,1\"");
+      },
+      60s);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
@@ -270,61 +276,67 @@ TEST(CpuBudgetTest, OverrideValues) {
 }
 
 TEST(CpuBudgetTest, MalformedForksafeNumThreadsIsAClearErrorOfBothDefaults) {
-  auto r = RunInChild([] {
-    for (const char* value : {"four", "0", "4,2", "-1"}) {
-      ClearOverrides();
-      setenv(kForksafeNumThreadsEnv, value, 1);
-      setenv(kOmpNumThreadsEnv, "2", 1);  // valid, but ours is the one that decides
-      const std::string needle = std::string(kForksafeNumThreadsEnv) + "=\"" + value + "\"";
-      const std::string a = InvalidArgumentOf([] { ThreadPool pool; });
-      const std::string b = InvalidArgumentOf([] {
-        mp::PoolOptions o;
-        o.start_method = "fork";
-        mp::Pool p(o);
-      });
-      if (a.find(needle) == std::string::npos || b.find(needle) == std::string::npos) {
-        fprintf(stderr, "want %s in both:\n  %s\n  %s\n", needle.c_str(), a.c_str(), b.c_str());
-        return 3;
-      }
-      // An explicit size does not read the environment.
-      ThreadPool sized(ThreadPoolOptions{2, "sized", 100ms});
-      if (sized.num_threads() != 2) return 4;
-    }
-    return ::testing::Test::HasFailure() ? 5 : 0;
-  }, 60s);
+  auto r = RunInChild(
+      [] {
+        for (const char* value : {"four", "0", "4,2", "-1"}) {
+          ClearOverrides();
+          setenv(kForksafeNumThreadsEnv, value, 1);
+          setenv(kOmpNumThreadsEnv, "2", 1);  // valid, but ours is the one that decides
+          const std::string needle = std::string(kForksafeNumThreadsEnv) + "=\"" + value + "\"";
+          const std::string a = InvalidArgumentOf([] { ThreadPool pool; });
+          const std::string b = InvalidArgumentOf([] {
+            mp::PoolOptions o;
+            o.start_method = "fork";
+            mp::Pool p(o);
+          });
+          if (a.find(needle) == std::string::npos || b.find(needle) == std::string::npos) {
+            fprintf(stderr, "want %s in both:\n  %s\n  %s\n", needle.c_str(), a.c_str(), b.c_str());
+            return 3;
+          }
+          // An explicit size does not read the environment.
+          ThreadPool sized(ThreadPoolOptions{2, "sized", 100ms});
+          if (sized.num_threads() != 2) return 4;
+        }
+        return ::testing::Test::HasFailure() ? 5 : 0;
+      },
+      60s);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
 // Review of issue 14, finding 1: a malformed OMP_NUM_THREADS threw even when a valid
 // FORKSAFE_NUM_THREADS decided the count. It must not even be read then.
 TEST(CpuBudgetTest, OmpNumThreadsIsNotReadWhenForksafeNumThreadsDecides) {
-  auto r = RunInChild([] {
-    ClearOverrides();
-    setenv(kForksafeNumThreadsEnv, "2", 1);
-    for (const char* bad : {"0", "4,x", "auto"}) {
-      setenv(kOmpNumThreadsEnv, bad, 1);
-      CpuBudget b;
-      std::string err;
-      try {
-        err = CaptureStderr([&b] { b = GetCpuBudget(); });
-      } catch (const std::exception& e) {
-        fprintf(stderr, "OMP_NUM_THREADS=\"%s\" threw although FORKSAFE_NUM_THREADS=2 decides: %s\n",
-                bad, e.what());
-        return 3;
-      }
-      if (b.cpus != 2 || b.source != CpuBudgetSource::kForksafeNumThreads) {
-        fprintf(stderr, "OMP_NUM_THREADS=\"%s\": %s\n", bad, b.ToString().c_str());
-        return 4;
-      }
-      if (!err.empty() || !b.warning.empty()) {
-        fprintf(stderr, "OMP_NUM_THREADS=\"%s\" was parsed: \"%s\" \"%s\"\n", bad, err.c_str(),
-                b.warning.c_str());
-        return 5;
-      }
-      if (DefaultsAre(2, "FORKSAFE_NUM_THREADS=2 with a malformed OMP_NUM_THREADS") != 0) return 6;
-    }
-    return 0;
-  }, 60s);
+  auto r = RunInChild(
+      [] {
+        ClearOverrides();
+        setenv(kForksafeNumThreadsEnv, "2", 1);
+        for (const char* bad : {"0", "4,x", "auto"}) {
+          setenv(kOmpNumThreadsEnv, bad, 1);
+          CpuBudget b;
+          std::string err;
+          try {
+            err = CaptureStderr([&b] { b = GetCpuBudget(); });
+          } catch (const std::exception& e) {
+            fprintf(stderr,
+                    "OMP_NUM_THREADS=\"%s\" threw although FORKSAFE_NUM_THREADS=2 decides: %s\n",
+                    bad, e.what());
+            return 3;
+          }
+          if (b.cpus != 2 || b.source != CpuBudgetSource::kForksafeNumThreads) {
+            fprintf(stderr, "OMP_NUM_THREADS=\"%s\": %s\n", bad, b.ToString().c_str());
+            return 4;
+          }
+          if (!err.empty() || !b.warning.empty()) {
+            fprintf(stderr, "OMP_NUM_THREADS=\"%s\" was parsed: \"%s\" \"%s\"\n", bad, err.c_str(),
+                    b.warning.c_str());
+            return 5;
+          }
+          if (DefaultsAre(2, "FORKSAFE_NUM_THREADS=2 with a malformed OMP_NUM_THREADS") != 0)
+            return 6;
+        }
+        return 0;
+      },
+      60s);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
@@ -332,51 +344,54 @@ TEST(CpuBudgetTest, OmpNumThreadsIsNotReadWhenForksafeNumThreadsDecides) {
 // is warned about once on stderr (what was wrong, what is used instead), and the default falls back
 // to the affinity mask and quota, as if it were unset.
 TEST(CpuBudgetTest, MalformedOmpNumThreadsAloneWarnsOnceAndFallsBackToTheCpus) {
-  auto r = RunInChild([] {
-    ClearOverrides();
-    const CpuBudget unset = GetCpuBudget();  // what the mask and the quota give
-    setenv(kOmpNumThreadsEnv, "four", 1);
-    CpuBudget first;
-    CpuBudget second;
-    int pool_threads = 0;
-    int pool_processes = 0;
-    std::string err;
-    try {
-      err = CaptureStderr([&] {
-        first = GetCpuBudget();
-        second = GetCpuBudget();
-        ThreadPool pool;
-        pool_threads = pool.num_threads();
-        mp::PoolOptions o;
-        o.start_method = "fork";
-        mp::Pool p(o);
-        pool_processes = p.processes();
-      });
-    } catch (const std::exception& e) {
-      fprintf(stderr, "a malformed OMP_NUM_THREADS alone threw: %s\n", e.what());
-      return 3;
-    }
-    if (first.cpus != unset.cpus || first.source != unset.source || second.cpus != unset.cpus ||
-        pool_threads != unset.cpus || pool_processes != unset.cpus) {
-      fprintf(stderr, "want %s; got %s, %s, pool %d, Pool %d\n", unset.ToString().c_str(),
-              first.ToString().c_str(), second.ToString().c_str(), pool_threads, pool_processes);
-      return 4;
-    }
-    const std::string needle = "OMP_NUM_THREADS=\"four\"";
-    const size_t at = err.find(needle);
-    if (at == std::string::npos || err.find(needle, at + 1) != std::string::npos ||
-        err.find(unset.ToString()) == std::string::npos ||
-        err.find(kForksafeNumThreadsEnv) == std::string::npos) {
-      fprintf(stderr, "want one warning naming %s, the count used (%s) and %s; stderr:\n%s\n",
-              needle.c_str(), unset.ToString().c_str(), kForksafeNumThreadsEnv, err.c_str());
-      return 5;
-    }
-    if (first.warning.find(needle) == std::string::npos) {
-      fprintf(stderr, "CpuBudget::warning: \"%s\"\n", first.warning.c_str());
-      return 6;
-    }
-    return 0;
-  }, 60s);
+  auto r = RunInChild(
+      [] {
+        ClearOverrides();
+        const CpuBudget unset = GetCpuBudget();  // what the mask and the quota give
+        setenv(kOmpNumThreadsEnv, "four", 1);
+        CpuBudget first;
+        CpuBudget second;
+        int pool_threads = 0;
+        int pool_processes = 0;
+        std::string err;
+        try {
+          err = CaptureStderr([&] {
+            first = GetCpuBudget();
+            second = GetCpuBudget();
+            ThreadPool pool;
+            pool_threads = pool.num_threads();
+            mp::PoolOptions o;
+            o.start_method = "fork";
+            mp::Pool p(o);
+            pool_processes = p.processes();
+          });
+        } catch (const std::exception& e) {
+          fprintf(stderr, "a malformed OMP_NUM_THREADS alone threw: %s\n", e.what());
+          return 3;
+        }
+        if (first.cpus != unset.cpus || first.source != unset.source || second.cpus != unset.cpus ||
+            pool_threads != unset.cpus || pool_processes != unset.cpus) {
+          fprintf(stderr, "want %s; got %s, %s, pool %d, Pool %d\n", unset.ToString().c_str(),
+                  first.ToString().c_str(), second.ToString().c_str(), pool_threads,
+                  pool_processes);
+          return 4;
+        }
+        const std::string needle = "OMP_NUM_THREADS=\"four\"";
+        const size_t at = err.find(needle);
+        if (at == std::string::npos || err.find(needle, at + 1) != std::string::npos ||
+            err.find(unset.ToString()) == std::string::npos ||
+            err.find(kForksafeNumThreadsEnv) == std::string::npos) {
+          fprintf(stderr, "want one warning naming %s, the count used (%s) and %s; stderr:\n%s\n",
+                  needle.c_str(), unset.ToString().c_str(), kForksafeNumThreadsEnv, err.c_str());
+          return 5;
+        }
+        if (first.warning.find(needle) == std::string::npos) {
+          fprintf(stderr, "CpuBudget::warning: \"%s\"\n", first.warning.c_str());
+          return 6;
+        }
+        return 0;
+      },
+      60s);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
@@ -388,28 +403,30 @@ TEST(CpuBudgetTest, APinnedThreadGetsTheProcessCount) {
     GTEST_SKIP() << "needs >= 2 CPUs in the affinity mask (it has " << MaskCpus()
                  << "): a thread pinned to one CPU must differ from the process";
   }
-  auto r = RunInChild([] {
-    ClearOverrides();
-    const CpuBudget process = GetCpuBudget();
-    int rc = 0;
-    std::thread pinned([&process, &rc] {
-      if (!PinToOneCpu() || MaskCpus() != 1) {
-        rc = 2;
-        return;
-      }
-      const CpuBudget b = GetCpuBudget();
-      if (b.affinity_cpus != process.affinity_cpus || b.cpus != process.cpus) {
-        fprintf(stderr, "from a thread pinned to 1 CPU: %s; the process: %s\n",
-                b.ToString().c_str(), process.ToString().c_str());
-        rc = 5;
-        return;
-      }
-      ThreadPool pool;
-      if (pool.num_threads() != process.cpus) rc = 3;
-    });
-    pinned.join();
-    return rc;
-  }, 60s);
+  auto r = RunInChild(
+      [] {
+        ClearOverrides();
+        const CpuBudget process = GetCpuBudget();
+        int rc = 0;
+        std::thread pinned([&process, &rc] {
+          if (!PinToOneCpu() || MaskCpus() != 1) {
+            rc = 2;
+            return;
+          }
+          const CpuBudget b = GetCpuBudget();
+          if (b.affinity_cpus != process.affinity_cpus || b.cpus != process.cpus) {
+            fprintf(stderr, "from a thread pinned to 1 CPU: %s; the process: %s\n",
+                    b.ToString().c_str(), process.ToString().c_str());
+            rc = 5;
+            return;
+          }
+          ThreadPool pool;
+          if (pool.num_threads() != process.cpus) rc = 3;
+        });
+        pinned.join();
+        return rc;
+      },
+      60s);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
@@ -457,8 +474,9 @@ TEST(CpuBudgetTest, ComputeTakesTheSmallerOfMaskAndQuota) {
   EXPECT_NE(b.warning.find(b.ToString()), std::string::npos) << b.warning;
   // Ours stays an error.
   in.forksafe_num_threads = "auto";
-  EXPECT_NE(InvalidArgumentOf([&in] { ComputeCpuBudget(in); }).find("FORKSAFE_NUM_THREADS=\"auto\""),
-            std::string::npos);
+  EXPECT_NE(
+      InvalidArgumentOf([&in] { ComputeCpuBudget(in); }).find("FORKSAFE_NUM_THREADS=\"auto\""),
+      std::string::npos);
 }
 
 TEST(CgroupParseTest, CpuMax) {
@@ -468,11 +486,11 @@ TEST(CgroupParseTest, CpuMax) {
   EXPECT_EQ(CpusFromCpuMax("150000 100000"), 2);  // 1.5 CPUs: rounded up
   EXPECT_EQ(CpusFromCpuMax("50000 100000"), 1);
   EXPECT_EQ(CpusFromCpuMax("400000 100000"), 4);
-  EXPECT_EQ(CpusFromCpuMax("1000 100000"), 1);  // 1% of a CPU is still 1 thread
-  EXPECT_EQ(CpusFromCpuMax("200000"), 2);       // the default period
+  EXPECT_EQ(CpusFromCpuMax("1000 100000"), 1);            // 1% of a CPU is still 1 thread
+  EXPECT_EQ(CpusFromCpuMax("200000"), 2);                 // the default period
   EXPECT_EQ(CpusFromCpuMax("9223372036854775807 1"), 0);  // beyond any machine: none
-  for (const char* bad : {"", "\n", "abc 100000", "100000 0", "100000 -5", "-1 100000",
-                          "0 100000", "1 2 3", "10000x 100000"}) {
+  for (const char* bad : {"", "\n", "abc 100000", "100000 0", "100000 -5", "-1 100000", "0 100000",
+                          "1 2 3", "10000x 100000"}) {
     EXPECT_EQ(CpusFromCpuMax(bad), -1) << "\"" << bad << "\"";
   }
 }
@@ -522,9 +540,9 @@ TEST(CgroupParseTest, Mountinfo) {
 
 TEST(CgroupParseTest, DirChainWalksUpToTheMount) {
   const CgroupMount v2{true, "/", "/sys/fs/cgroup", {}};
-  EXPECT_EQ(CgroupDirChain("/R", v2, "/a/b"),
-            (std::vector<std::string>{"/R/sys/fs/cgroup/a/b", "/R/sys/fs/cgroup/a",
-                                      "/R/sys/fs/cgroup"}));
+  EXPECT_EQ(
+      CgroupDirChain("/R", v2, "/a/b"),
+      (std::vector<std::string>{"/R/sys/fs/cgroup/a/b", "/R/sys/fs/cgroup/a", "/R/sys/fs/cgroup"}));
   EXPECT_EQ(CgroupDirChain("", v2, "/"), (std::vector<std::string>{"/sys/fs/cgroup"}));
   const CgroupMount docker{false, "/docker/abc", "/sys/fs/cgroup/cpu", {"cpu"}};
   EXPECT_EQ(CgroupDirChain("", docker, "/docker/abc"),
@@ -643,24 +661,26 @@ TEST(CpuBudgetTest, DefaultsFollowACgroupQuota) {
   const bool quota_set = cg->v2() ? cg->Write("cpu.max", "100000 100000")
                                   : cg->Write("cpu.cfs_period_us", "100000") &&
                                         cg->Write("cpu.cfs_quota_us", "100000");
-  ASSERT_TRUE(quota_set) << "the cgroup " << cg->dir() << " takes no CPU quota: "
-                         << strerror(errno);
+  ASSERT_TRUE(quota_set) << "the cgroup " << cg->dir()
+                         << " takes no CPU quota: " << strerror(errno);
   const forksafe::testing::TestCgroup* c = cg.get();
-  auto r = RunInChild([c] {
-    ClearOverrides();
-    if (!c->Join()) {
-      fprintf(stderr, "cannot join %s: %s\n", c->dir().c_str(), strerror(errno));
-      return 2;
-    }
-    const CpuBudget b = GetCpuBudget();
-    if (b.cpus != 1 || b.source != CpuBudgetSource::kCgroupQuota ||
-        b.quota_file.find(c->dir()) != 0) {
-      fprintf(stderr, "budget in a 1-CPU cgroup (%s): %s\n", c->dir().c_str(),
-              b.ToString().c_str());
-      return 5;
-    }
-    return DefaultsAre(1, "a cgroup with a 1-CPU quota");
-  }, 60s);
+  auto r = RunInChild(
+      [c] {
+        ClearOverrides();
+        if (!c->Join()) {
+          fprintf(stderr, "cannot join %s: %s\n", c->dir().c_str(), strerror(errno));
+          return 2;
+        }
+        const CpuBudget b = GetCpuBudget();
+        if (b.cpus != 1 || b.source != CpuBudgetSource::kCgroupQuota ||
+            b.quota_file.find(c->dir()) != 0) {
+          fprintf(stderr, "budget in a 1-CPU cgroup (%s): %s\n", c->dir().c_str(),
+                  b.ToString().c_str());
+          return 5;
+        }
+        return DefaultsAre(1, "a cgroup with a 1-CPU quota");
+      },
+      60s);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 

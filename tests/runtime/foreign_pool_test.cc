@@ -19,9 +19,9 @@
 #include <vector>
 
 #include "examples/tiny_pool.h"
-#include "gtest/gtest.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
+#include "gtest/gtest.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::runtime {
@@ -55,10 +55,9 @@ struct OptionsRestorer {
 TEST(ForeignPoolTest, GuardNeedsItsCallbacksAndRegistersForItsLifetime) {
   const auto park = [](const PrepareAttempt&) { return true; };
   const auto rebuild = [](bool) {};
-  for (const ForeignPoolCallbacks& bad :
-       {ForeignPoolCallbacks{"", park, nullptr, rebuild},
-        ForeignPoolCallbacks{"p", nullptr, nullptr, rebuild},
-        ForeignPoolCallbacks{"p", park, nullptr, nullptr}}) {
+  for (const ForeignPoolCallbacks& bad : {ForeignPoolCallbacks{"", park, nullptr, rebuild},
+                                          ForeignPoolCallbacks{"p", nullptr, nullptr, rebuild},
+                                          ForeignPoolCallbacks{"p", park, nullptr, nullptr}}) {
     try {
       ForeignPoolGuard g(bad);
       ADD_FAILURE() << "accepted a guard without " << (bad.name.empty() ? "name" : "callback");
@@ -84,12 +83,13 @@ TEST(ForeignPoolTest, ParkResumeAndRebuildRunAroundAFork) {
                         ++parks;
                         return true;
                       },
-                      [&] { ++resumes; },
-                      [&](bool parked) { rebuilt_parked = parked ? 1 : 0; }});
-  ChildResult r = RunInChild([&] {
-    // In the child: rebuild ran once, with parked == true, and resume did not.
-    return rebuilt_parked.load() == 1 && g.stats().rebuilt == 1 && resumes.load() == 0 ? 0 : 3;
-  }, 30s);
+                      [&] { ++resumes; }, [&](bool parked) { rebuilt_parked = parked ? 1 : 0; }});
+  ChildResult r = RunInChild(
+      [&] {
+        // In the child: rebuild ran once, with parked == true, and resume did not.
+        return rebuilt_parked.load() == 1 && g.stats().rebuilt == 1 && resumes.load() == 0 ? 0 : 3;
+      },
+      30s);
   EXPECT_TRUE(r.ok()) << r.Describe();
   EXPECT_EQ(parks.load(), 1);
   EXPECT_EQ(resumes.load(), 1);
@@ -107,8 +107,8 @@ TEST(ForeignPoolTest, NotYetAndThrowingParksAreRetried) {
   ForeignPoolGuard g({"shy",
                       [&](const PrepareAttempt&) -> bool {
                         const int n = ++calls;
-                        if (n == 1) return false;                       // "not yet"
-                        if (n == 2) throw std::runtime_error("busy");   // counts as "not yet"
+                        if (n == 1) return false;                      // "not yet"
+                        if (n == 2) throw std::runtime_error("busy");  // counts as "not yet"
                         return true;
                       },
                       [&] { ++resumes; }, [](bool) {}});
@@ -139,17 +139,14 @@ TEST(ForeignPoolTest, AParkThatNeverSucceedsLetsTheForkGoAndTheChildKnows) {
                         std::this_thread::sleep_until(a.wait_until);  // bounded, then "not yet"
                         return false;
                       },
-                      [&] { ++resumes; },
-                      [&](bool parked) { rebuilt_parked = parked ? 1 : 0; }});
+                      [&] { ++resumes; }, [&](bool parked) { rebuilt_parked = parked ? 1 : 0; }});
   const auto start = std::chrono::steady_clock::now();
-  ChildResult r = RunInChild([&] {
-    return rebuilt_parked.load() == 0 && g.stats().gave_up == 1 ? 0 : 3;
-  }, 30s);
+  ChildResult r =
+      RunInChild([&] { return rebuilt_parked.load() == 0 && g.stats().gave_up == 1 ? 0 : 3; }, 30s);
   EXPECT_TRUE(r.ok()) << r.Describe();
   EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "the fork is bounded";
   const ForkReport rep = AtForkRegistry::Get().LastReport();
-  EXPECT_TRUE(HasEvent(rep, ForkEventKind::kPrepareGaveUp, "foreign_pool:stuck"))
-      << rep.ToString();
+  EXPECT_TRUE(HasEvent(rep, ForkEventKind::kPrepareGaveUp, "foreign_pool:stuck")) << rep.ToString();
   EXPECT_EQ(resumes.load(), 0) << "nothing was parked, so nothing is resumed";
   EXPECT_EQ(g.stats().gave_up, 1u);
   EXPECT_EQ(g.stats().refused, 3u);
@@ -163,79 +160,81 @@ TEST(ForeignPoolTest, AParkThatNeverSucceedsLetsTheForkGoAndTheChildKnows) {
 // made outside a fork callback removes the registration. In a child, so that "once per process"
 // and the redirected stderr concern that process only.
 TEST(ForeignPoolTest, AGuardDestroyedInsideAForkCallbackIsReportedAndNeverCalledAgain) {
-  ChildResult r = RunInChild([] {
-    FILE* err = std::tmpfile();
-    if (err == nullptr) return 2;
-    std::fflush(stderr);
-    const int saved = dup(2);
-    dup2(fileno(err), 2);
-    std::atomic<int> parks{0};
-    const auto park = [&parks](const PrepareAttempt&) {
-      ++parks;
-      return true;
-    };
-    auto* doomed = new ForeignPoolGuard({"doomed", park, nullptr, [](bool) {}});
-    auto* doomed2 = new ForeignPoolGuard({"doomed2", park, nullptr, [](bool) {}});
-    int token = 0;
-    AtForkHandler deleter;
-    deleter.name = "deleter";
-    deleter.parent = [&](bool) {  // after the guards' own parent callbacks (registration order)
-      delete doomed;
-      delete doomed2;
-      doomed = doomed2 = nullptr;
-    };
-    int code = 0;
-    const auto fail = [&code](int c, const std::string& why) {
-      if (code == 0) code = c;
-      std::printf("AGuardDestroyedInsideAForkCallback: %s\n", why.c_str());
-    };
-    {
-      AtForkRegistration reg(&token, std::move(deleter));
-      const ChildResult g = RunInChild([] { return 0; }, 20s);
-      if (!g.ok()) fail(3, "first grandchild: " + g.Describe());
-    }
-    if (doomed != nullptr) fail(4, "the deleter did not run");
-    const ForkReport rep = AtForkRegistry::Get().LastReport();
-    int events = 0;
-    for (const ForkEvent& e : rep.events) {
-      if (e.kind == ForkEventKind::kHandlerThrew &&
-          (e.subsystem == "foreign_pool:doomed" || e.subsystem == "foreign_pool:doomed2") &&
-          e.detail.find("destroyed inside an at-fork callback") != std::string::npos) {
-        ++events;
-      }
-    }
-    if (events != 2) fail(5, "events naming the misuse: " + std::to_string(events) + "\n" +
-                                 rep.ToString());
-    if (parks.load() != 2) fail(6, "parks before the misuse: " + std::to_string(parks.load()));
-    if (!Registered("foreign_pool:doomed")) fail(7, "the inert registration is gone already");
-    const ChildResult g2 = RunInChild([] { return 0; }, 20s);
-    if (!g2.ok()) fail(8, "second grandchild: " + g2.Describe());
-    if (parks.load() != 2) fail(9, "a destroyed guard's park was called: " +
-                                       std::to_string(parks.load()));
-    {
-      ForeignPoolGuard next({"next", park, nullptr, [](bool) {}});  // removes the inert ones
-      if (Registered("foreign_pool:doomed") || Registered("foreign_pool:doomed2")) {
-        fail(10, "a new guard did not remove the inert registrations");
-      }
-    }
-    std::fflush(stderr);
-    dup2(saved, 2);
-    close(saved);
-    std::string said;
-    std::rewind(err);
-    char buf[512];
-    while (std::fgets(buf, sizeof buf, err) != nullptr) said += buf;
-    std::fclose(err);
-    size_t lines = 0;
-    for (size_t at = said.find("forksafe: foreign_pool:doomed"); at != std::string::npos;
-         at = said.find("forksafe: foreign_pool:doomed", at + 1)) {
-      ++lines;
-    }
-    if (lines != 1 || said.find("destroyed inside an at-fork callback") == std::string::npos) {
-      fail(11, "stderr should say it once, said:\n" + said);
-    }
-    return code;
-  }, 60s);
+  ChildResult r = RunInChild(
+      [] {
+        FILE* err = std::tmpfile();
+        if (err == nullptr) return 2;
+        std::fflush(stderr);
+        const int saved = dup(2);
+        dup2(fileno(err), 2);
+        std::atomic<int> parks{0};
+        const auto park = [&parks](const PrepareAttempt&) {
+          ++parks;
+          return true;
+        };
+        auto* doomed = new ForeignPoolGuard({"doomed", park, nullptr, [](bool) {}});
+        auto* doomed2 = new ForeignPoolGuard({"doomed2", park, nullptr, [](bool) {}});
+        int token = 0;
+        AtForkHandler deleter;
+        deleter.name = "deleter";
+        deleter.parent = [&](bool) {  // after the guards' own parent callbacks (registration order)
+          delete doomed;
+          delete doomed2;
+          doomed = doomed2 = nullptr;
+        };
+        int code = 0;
+        const auto fail = [&code](int c, const std::string& why) {
+          if (code == 0) code = c;
+          std::printf("AGuardDestroyedInsideAForkCallback: %s\n", why.c_str());
+        };
+        {
+          AtForkRegistration reg(&token, std::move(deleter));
+          const ChildResult g = RunInChild([] { return 0; }, 20s);
+          if (!g.ok()) fail(3, "first grandchild: " + g.Describe());
+        }
+        if (doomed != nullptr) fail(4, "the deleter did not run");
+        const ForkReport rep = AtForkRegistry::Get().LastReport();
+        int events = 0;
+        for (const ForkEvent& e : rep.events) {
+          if (e.kind == ForkEventKind::kHandlerThrew &&
+              (e.subsystem == "foreign_pool:doomed" || e.subsystem == "foreign_pool:doomed2") &&
+              e.detail.find("destroyed inside an at-fork callback") != std::string::npos) {
+            ++events;
+          }
+        }
+        if (events != 2)
+          fail(5, "events naming the misuse: " + std::to_string(events) + "\n" + rep.ToString());
+        if (parks.load() != 2) fail(6, "parks before the misuse: " + std::to_string(parks.load()));
+        if (!Registered("foreign_pool:doomed")) fail(7, "the inert registration is gone already");
+        const ChildResult g2 = RunInChild([] { return 0; }, 20s);
+        if (!g2.ok()) fail(8, "second grandchild: " + g2.Describe());
+        if (parks.load() != 2)
+          fail(9, "a destroyed guard's park was called: " + std::to_string(parks.load()));
+        {
+          ForeignPoolGuard next({"next", park, nullptr, [](bool) {}});  // removes the inert ones
+          if (Registered("foreign_pool:doomed") || Registered("foreign_pool:doomed2")) {
+            fail(10, "a new guard did not remove the inert registrations");
+          }
+        }
+        std::fflush(stderr);
+        dup2(saved, 2);
+        close(saved);
+        std::string said;
+        std::rewind(err);
+        char buf[512];
+        while (std::fgets(buf, sizeof buf, err) != nullptr) said += buf;
+        std::fclose(err);
+        size_t lines = 0;
+        for (size_t at = said.find("forksafe: foreign_pool:doomed"); at != std::string::npos;
+             at = said.find("forksafe: foreign_pool:doomed", at + 1)) {
+          ++lines;
+        }
+        if (lines != 1 || said.find("destroyed inside an at-fork callback") == std::string::npos) {
+          fail(11, "stderr should say it once, said:\n" + said);
+        }
+        return code;
+      },
+      60s);
   EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
@@ -249,21 +248,24 @@ TEST(ForeignPoolTest, APoolDestroyedByItsOwnRebuildInChildIsReported) {
                               ++parks;
                               return true;
                             },
-                            nullptr, [&g](bool) {
+                            nullptr,
+                            [&g](bool) {
                               delete g;  // the child drops the pool: the misuse
                               g = nullptr;
                             }});
-  ChildResult r = RunInChild([&] {
-    if (g != nullptr) return 3;
-    if (!HasEvent(AtForkRegistry::Get().LastReport(), ForkEventKind::kHandlerThrew,
-                  "foreign_pool:self_destroyed")) {
-      return 4;
-    }
-    const int before = parks.load();
-    const ChildResult gc = RunInChild([] { return 0; }, 20s);
-    if (!gc.ok()) return 5;
-    return parks.load() == before ? 0 : 6;  // 6: the destroyed guard's park ran
-  }, 30s);
+  ChildResult r = RunInChild(
+      [&] {
+        if (g != nullptr) return 3;
+        if (!HasEvent(AtForkRegistry::Get().LastReport(), ForkEventKind::kHandlerThrew,
+                      "foreign_pool:self_destroyed")) {
+          return 4;
+        }
+        const int before = parks.load();
+        const ChildResult gc = RunInChild([] { return 0; }, 20s);
+        if (!gc.ok()) return 5;
+        return parks.load() == before ? 0 : 6;  // 6: the destroyed guard's park ran
+      },
+      30s);
   EXPECT_TRUE(r.ok()) << r.Describe()
                       << " (3: not destroyed, 4: not reported, 5: grandchild failed, 6: called "
                          "after its destruction)";
@@ -301,19 +303,21 @@ TEST(ForeignPoolTest, WithoutTheAdapterAChildsTasksNeverRun) {
       worker.join();
     }
   } plain;
-  ChildResult r = RunInChild([&plain] {
-    std::atomic<bool> ran{false};
-    {
-      // The worker may have held the mutex at the fork instant: then it stays locked here.
-      std::unique_lock<std::mutex> lk(plain.mu, std::defer_lock);
-      for (int i = 0; i < 20 && !lk.try_lock(); ++i) std::this_thread::sleep_for(5ms);
-      if (!lk.owns_lock()) return 8;  // 8: the pool's mutex is held by a thread that is gone
-      plain.q.push_back([&ran] { ran = true; });
-    }
-    // No notify: the waiters of the parent's condition variable do not exist here.
-    for (int i = 0; i < 50 && !ran; ++i) std::this_thread::sleep_for(10ms);
-    return ran ? 0 : 7;  // 7: the task never ran
-  }, 30s);
+  ChildResult r = RunInChild(
+      [&plain] {
+        std::atomic<bool> ran{false};
+        {
+          // The worker may have held the mutex at the fork instant: then it stays locked here.
+          std::unique_lock<std::mutex> lk(plain.mu, std::defer_lock);
+          for (int i = 0; i < 20 && !lk.try_lock(); ++i) std::this_thread::sleep_for(5ms);
+          if (!lk.owns_lock()) return 8;  // 8: the pool's mutex is held by a thread that is gone
+          plain.q.push_back([&ran] { ran = true; });
+        }
+        // No notify: the waiters of the parent's condition variable do not exist here.
+        for (int i = 0; i < 50 && !ran; ++i) std::this_thread::sleep_for(10ms);
+        return ran ? 0 : 7;  // 7: the task never ran
+      },
+      30s);
   EXPECT_TRUE(r.exited && (r.exit_code == 7 || r.exit_code == 8))
       << "the unguarded pool ran a task in the child? " << r.Describe();
 }

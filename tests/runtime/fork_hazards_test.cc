@@ -27,11 +27,11 @@
 #include <thread>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/framework_lock.h"
 #include "forksafe/runtime/thread_pool.h"
+#include "gtest/gtest.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::runtime {
@@ -275,7 +275,8 @@ TEST_F(ForkHazardsTest, HolderWaitingForTheForkersFrameworkLockIsGivenUpOnAndRep
         if (f.fork_took > 10s) return kForkTooSlow;
         bool gave_up_on_m = false;
         for (const ForkEvent& e : AtForkRegistry::Get().LastReport().events) {
-          if (e.kind == ForkEventKind::kPrepareGaveUp && e.subsystem == "test_m") gave_up_on_m = true;
+          if (e.kind == ForkEventKind::kPrepareGaveUp && e.subsystem == "test_m")
+            gave_up_on_m = true;
         }
         if (!gave_up_on_m) {
           fprintf(stderr, "%s\n", AtForkRegistry::Get().LastReport().ToString().c_str());
@@ -528,7 +529,10 @@ ConcurrentForks ForkFromTasksAtOnce(const std::vector<ThreadPool*>& pools, int n
         cv.notify_all();
         cv.wait(lk, [&] { return arrived == n; });
       }
-      Forked f = ForkAndWait([] { _exit(0); return 0; });
+      Forked f = ForkAndWait([] {
+        _exit(0);
+        return 0;
+      });
       if (!f.result.ok()) ++failed;
       int64_t ms = f.fork_took.count(), prev = longest_ms.load();
       while (ms > prev && !longest_ms.compare_exchange_weak(prev, ms)) {
@@ -546,8 +550,8 @@ TEST_F(ForkHazardsTest, TasksOfOnePoolThatForkAtOnceDoNotWaitForEachOther) {
       ConcurrentForks c = ForkFromTasksAtOnce({&pool}, n);
       EXPECT_EQ(c.children_failed, 0);
       // Each fork used to wait the whole drain deadline (3 s) for the other forking task.
-      EXPECT_LT(c.longest.count(), 2500) << "ms for the longest fork of " << n
-                                         << " tasks forking at once";
+      EXPECT_LT(c.longest.count(), 2500)
+          << "ms for the longest fork of " << n << " tasks forking at once";
     }
   }
   EXPECT_EQ(pool.stats().drain_timeouts, 0u);
@@ -571,8 +575,7 @@ TEST_F(ForkHazardsTest, ParallelForOverAHugeRangeWithGrainOneIsAClearErrorAtOnce
   ThreadPool pool(ThreadPoolOptions{2, "pf", 2000ms});
   std::atomic<int64_t> calls{0};
   try {
-    pool.ParallelFor(0, std::numeric_limits<int64_t>::max(), 1,
-                     [&](int64_t, int64_t) { ++calls; });
+    pool.ParallelFor(0, std::numeric_limits<int64_t>::max(), 1, [&](int64_t, int64_t) { ++calls; });
     ADD_FAILURE() << "ParallelFor over 2^63 chunks was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
@@ -589,8 +592,9 @@ TEST_F(ForkHazardsTest, ParallelForCoversExtremeRangesExactlyWithoutOverflow) {
   struct Case {
     int64_t begin, end, grain;
   };
-  for (const Case& c : {Case{kMin, kMax, kMax}, Case{kMin, kMax, kMax / 7}, Case{kMax - 10, kMax, 3},
-                        Case{kMin, kMin + 10, 4}, Case{-5, 5, kMax}, Case{kMin, kMax, 1LL << 40}}) {
+  for (const Case& c :
+       {Case{kMin, kMax, kMax}, Case{kMin, kMax, kMax / 7}, Case{kMax - 10, kMax, 3},
+        Case{kMin, kMin + 10, 4}, Case{-5, 5, kMax}, Case{kMin, kMax, 1LL << 40}}) {
     std::mutex mu;
     std::vector<std::pair<int64_t, int64_t>> seen;
     pool.ParallelFor(c.begin, c.end, c.grain, [&](int64_t lo, int64_t hi) {
@@ -789,7 +793,8 @@ TEST_F(ForkHazardsTest, AWorkerWhoseThreadLocalsUnregisterDoesNotHangTheFork) {
           pool.Submit([] {
                 thread_local ThreadPool inner(ThreadPoolOptions{1, "tls_inner", 2000ms});
                 inner.Submit([] {}).get();
-              }).get();
+              })
+              .get();
           Forked f = ForkAndWait([] { return 0; }, 20s);
           if (!f.result.ok()) return 40 + round;
         }

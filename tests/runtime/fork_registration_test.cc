@@ -12,8 +12,8 @@
 #include <cstdio>
 #include <string>
 
-#include "gtest/gtest.h"
 #include "forksafe/runtime/at_fork.h"
+#include "gtest/gtest.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::runtime {
@@ -67,10 +67,12 @@ TEST(ForkRegistrationTest, RenewalPutsTheRegistryInFrontOfALaterLibraryOncePerFo
   // 1. The foreign library registers after forksafe: its prepare runs first, its parent last.
   ASSERT_EQ(pthread_atfork(ForeignPrepare, ForeignParent, ForeignChild), 0);
   TakeTrace();
-  ChildResult child = RunInChild([] {
-    // The child's own trace holds the prepare phase and the child callback.
-    return TakeTrace() == "XRc" ? 0 : 1;
-  }, 30s, 30);
+  ChildResult child = RunInChild(
+      [] {
+        // The child's own trace holds the prepare phase and the child callback.
+        return TakeTrace() == "XRc" ? 0 : 1;
+      },
+      30s, 30);
   EXPECT_TRUE(child.ok()) << child.Describe();
   EXPECT_EQ(TakeTrace(), "XRrx") << "before the renewal, the later library is prepared first";
   const int first_acting = g_acting.load();
@@ -85,11 +87,13 @@ TEST(ForkRegistrationTest, RenewalPutsTheRegistryInFrontOfALaterLibraryOncePerFo
   EXPECT_EQ(internal::ActingForkRegistration(), -1);
 
   // 3. Forks of the child (grandchildren) keep the order: the registrations are inherited.
-  child = RunInChild([] {
-    TakeTrace();
-    const ChildResult g = RunInChild([] { return 0; }, 20s, 20);
-    return g.ok() && TakeTrace() == "RXxr" ? 0 : 1;
-  }, 30s, 30);
+  child = RunInChild(
+      [] {
+        TakeTrace();
+        const ChildResult g = RunInChild([] { return 0; }, 20s, 20);
+        return g.ok() && TakeTrace() == "RXxr" ? 0 : 1;
+      },
+      30s, 30);
   EXPECT_TRUE(child.ok()) << child.Describe();
   TakeTrace();
 
@@ -141,8 +145,7 @@ TEST(ForkRegistrationTest, AForkFromTheParentPhaseIsAForkOfItsOwn) {
   EXPECT_TRUE(outer.ok()) << outer.Describe();
   EXPECT_EQ(inner_ok.load(), 1);
   EXPECT_EQ(prepares.load(), 2) << "the fork made from the listener was not prepared";
-  EXPECT_EQ(parents.load(), 2) << "parent callbacks ran " << parents.load()
-                               << " times for 2 forks";
+  EXPECT_EQ(parents.load(), 2) << "parent callbacks ran " << parents.load() << " times for 2 forks";
 }
 
 }  // namespace

@@ -111,7 +111,8 @@ TEST(LoadedObjectsTest, ThePluginsAddressesMapToThePlugin) {
   EXPECT_EQ(h.found, marker);
   // The plugin's function is not the program's, nor libc's.
   EXPECT_EQ(HolderOf(reinterpret_cast<const void*>(&loaded_objects_test_marker),
-                     "loaded_objects_plugin_marker").found,
+                     "loaded_objects_plugin_marker")
+                .found,
             nullptr);
   dlclose(plugin);
 }
@@ -134,14 +135,16 @@ TEST(LoadedObjectsTest, AnObjectWhoseLoadBiasWrapsAroundIsReadAtItsRealAddresses
     dlclose(plugin);
     GTEST_SKIP() << "the loader mapped the plugin at its link address (no bias to test)";
   }
-  const ChildResult r = RunInChild([marker] {
-    const Holder h = HolderOf(marker, "loaded_objects_plugin_marker");
-    if (h.objects != 1) return 3;
-    if (!EndsWith(h.path, "/libloaded_objects_plugin_high.so")) return 4;
-    if (h.found != marker) return 5;
-    using Fn = int (*)();
-    return reinterpret_cast<Fn>(h.found)() == 42 ? 0 : 6;
-  }, 30s);
+  const ChildResult r = RunInChild(
+      [marker] {
+        const Holder h = HolderOf(marker, "loaded_objects_plugin_marker");
+        if (h.objects != 1) return 3;
+        if (!EndsWith(h.path, "/libloaded_objects_plugin_high.so")) return 4;
+        if (h.found != marker) return 5;
+        using Fn = int (*)();
+        return reinterpret_cast<Fn>(h.found)() == 42 ? 0 : 6;
+      },
+      30s);
   EXPECT_TRUE(r.ok()) << r.Describe()
                       << " (3: not one holder, 4: wrong object, 5: Find() is wrong, 6: wrong "
                          "function; a signal: read an unmapped address)";

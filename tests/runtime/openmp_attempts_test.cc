@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/openmp_fork.h"
+#include "gtest/gtest.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::runtime {
@@ -70,8 +70,8 @@ TEST(OpenMpAttemptsTest, APauseCountsOncePerFork) {
   const uint64_t paused = GetOpenMpForkStats().paused;
   g_refusals = 2;
   const ChildResult child = RunInChild(
-      [] { return OpenMpUsableInThisProcess() && OmpSum(20000) == Expected(20000) ? 0 : 1; },
-      30s, 30);
+      [] { return OpenMpUsableInThisProcess() && OmpSum(20000) == Expected(20000) ? 0 : 1; }, 30s,
+      30);
   EXPECT_TRUE(child.ok()) << child.Describe();
   EXPECT_EQ(g_refusals.load(), 0);
   const ForkReport report = AtForkRegistry::Get().LastReport();
@@ -88,8 +88,7 @@ TEST(OpenMpAttemptsTest, AForkFromInsideARegionCountsAndReportsOnce) {
   {
     if (omp_get_thread_num() == 0) {
       g_refusals = 2;
-      const ChildResult r =
-          RunInChild([] { return OpenMpUsableInThisProcess() ? 1 : 0; }, 30s, 30);
+      const ChildResult r = RunInChild([] { return OpenMpUsableInThisProcess() ? 1 : 0; }, 30s, 30);
       status = r.ok() ? 0 : 1;
     }
   }

@@ -18,9 +18,9 @@
 #include <sanitizer/lsan_interface.h>
 #endif
 
-#include "gtest/gtest.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/openmp_fork.h"
+#include "gtest/gtest.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::runtime {
@@ -96,12 +96,13 @@ TEST(OpenMpDlcloseTest, ForksWhileAnotherThreadLoadsAndUnloadsLibgomp) {
   loader.join();
   const OpenMpForkStats after = GetOpenMpForkStats();
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(slowest).count();
-  std::printf("%d forks while another thread loaded and unloaded libgomp %ld times: %d children "
-              "ok, %d forks over 1 s (slowest %lld ms); libgomp paused before %llu forks, found "
-              "not yet relocated %llu times\n",
-              forks, cycles.load(), ok, slow, static_cast<long long>(ms),
-              static_cast<unsigned long long>(after.paused - before.paused),
-              static_cast<unsigned long long>(after.not_ready - before.not_ready));
+  std::printf(
+      "%d forks while another thread loaded and unloaded libgomp %ld times: %d children "
+      "ok, %d forks over 1 s (slowest %lld ms); libgomp paused before %llu forks, found "
+      "not yet relocated %llu times\n",
+      forks, cycles.load(), ok, slow, static_cast<long long>(ms),
+      static_cast<unsigned long long>(after.paused - before.paused),
+      static_cast<unsigned long long>(after.not_ready - before.not_ready));
   EXPECT_EQ(ok, forks);
   EXPECT_EQ(slow, 0);
   EXPECT_EQ(failures.load(), 0);

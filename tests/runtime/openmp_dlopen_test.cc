@@ -17,10 +17,10 @@
 #include <thread>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/openmp_fork.h"
 #include "forksafe/runtime/thread_pool.h"
+#include "gtest/gtest.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::runtime {
@@ -78,22 +78,22 @@ bool RuntimeMissing(const std::string& error) {
 }
 
 // Loads the plugin once; skips the test where its OpenMP runtime is not installed.
-#define LOAD_PLUGIN_OR_SKIP()                                                                 \
-  std::string error;                                                                          \
-  if (g_sum == nullptr) g_sum = LoadPlugin(&error);                                           \
-  if (g_sum == nullptr && RuntimeMissing(error)) {                                            \
-    GTEST_SKIP() << "LLVM's libomp is not installed (apt-get install libomp-dev, or "         \
-                    "libomp5-14): "                                                           \
-                 << error;                                                                    \
-  }                                                                                           \
+#define LOAD_PLUGIN_OR_SKIP()                                                         \
+  std::string error;                                                                  \
+  if (g_sum == nullptr) g_sum = LoadPlugin(&error);                                   \
+  if (g_sum == nullptr && RuntimeMissing(error)) {                                    \
+    GTEST_SKIP() << "LLVM's libomp is not installed (apt-get install libomp-dev, or " \
+                    "libomp5-14): "                                                   \
+                 << error;                                                            \
+  }                                                                                   \
   ASSERT_NE(g_sum, nullptr) << error
 
 // LLVM libomp registers each process in /dev/shm ("__KMP_REGISTERED_LIB_<pid>_<uid>") and
 // removes the entry only at a normal exit; a child that leaves with _exit (RunInChild) removes
 // its own (the storm left one per child before). GNU libgomp makes none: ENOENT. Returns `code`.
 int ForgetLibompRegistration(int code) {
-  const std::string entry = "/__KMP_REGISTERED_LIB_" + std::to_string(getpid()) + "_" +
-                            std::to_string(getuid());
+  const std::string entry =
+      "/__KMP_REGISTERED_LIB_" + std::to_string(getpid()) + "_" + std::to_string(getuid());
   shm_unlink(entry.c_str());
   return code;
 }
@@ -166,11 +166,9 @@ TEST(OpenMpDlopenTest, ChildrenRunRegionsWhileOtherThreadsRunThem) {
     EXPECT_EQ(after.paused - before.paused, static_cast<uint64_t>(forks / 2 * 2));
   } else {
     EXPECT_EQ(after.paused, before.paused) << "libomp is left to its own at-fork handlers";
-    EXPECT_EQ(after.left_to_runtime - before.left_to_runtime,
-              static_cast<uint64_t>(forks / 2 * 2));
+    EXPECT_EQ(after.left_to_runtime - before.left_to_runtime, static_cast<uint64_t>(forks / 2 * 2));
   }
 }
-
 
 // A forksafe pool task runs the runtime's regions at each fork. LLVM libomp registers its own
 // pthread_atfork handlers when it starts, after forksafe's, so its prepare (which takes its
@@ -217,9 +215,10 @@ TEST(OpenMpDlopenTest, PoolTaskInRegionsDoesNotStallTheFork) {
   feeder.join();
   pool.Wait();
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(slowest).count();
-  std::printf("%s, a pool task in regions: %d forks, %d over 1 s, slowest %lld ms, %d children "
-              "ran their region, %ld tasks\n", OPENMP_PLUGIN, forks, slow,
-              static_cast<long long>(ms), ok, tasks.load());
+  std::printf(
+      "%s, a pool task in regions: %d forks, %d over 1 s, slowest %lld ms, %d children "
+      "ran their region, %ld tasks\n",
+      OPENMP_PLUGIN, forks, slow, static_cast<long long>(ms), ok, tasks.load());
   EXPECT_EQ(slow, 0) << "slowest fork: " << ms << " ms";
   EXPECT_EQ(GetOpenMpForkStats().not_asked, not_asked)
       << "the pool's tasks must have ordered forksafe before the runtime's own handlers";
@@ -236,14 +235,17 @@ struct RegionFork {
 };
 
 void ForkInRegion(void* arg) {
-  const ChildResult r = RunInChild([] {
-    if (OpenMpUsableInThisProcess()) return ForgetLibompRegistration(1);
-    const ChildResult g = RunInChild(
-        [] { return ForgetLibompRegistration(OpenMpUsableInThisProcess() ? 1 : 0); }, 20s, 20);
-    return ForgetLibompRegistration(g.ok() ? 0 : 2);
-  }, 30s, 30);
-  static_cast<RegionFork*>(arg)->status =
-      r.ok() ? 0 : r.timed_out ? 3 : (r.exited ? r.exit_code : 4);
+  const ChildResult r = RunInChild(
+      [] {
+        if (OpenMpUsableInThisProcess()) return ForgetLibompRegistration(1);
+        const ChildResult g = RunInChild(
+            [] { return ForgetLibompRegistration(OpenMpUsableInThisProcess() ? 1 : 0); }, 20s, 20);
+        return ForgetLibompRegistration(g.ok() ? 0 : 2);
+      },
+      30s, 30);
+  static_cast<RegionFork*>(arg)->status = r.ok()        ? 0
+                                          : r.timed_out ? 3
+                                                        : (r.exited ? r.exit_code : 4);
 }
 
 bool ReportSaysOpenMpUnusable(const ForkReport& r) {

@@ -17,10 +17,10 @@
 #include <thread>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/internal/openmp_fork_bypass.h"
 #include "forksafe/runtime/thread_pool.h"
+#include "gtest/gtest.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::runtime {
@@ -128,9 +128,10 @@ TEST(OpenMpForkTest, WithoutThePauseTheChildHangsWithItItRuns) {
   internal::SetOpenMpForkBypassForTest(false);
   ASSERT_EQ(OmpSum(1000), Expected(1000));
   const int hung_with = ForkChildrenRunningRegions(kChildren, 30s, &ok_with);
-  std::printf("children of a parent that ran a region: without the pause %d of %d hung, with it "
-              "%d of %d hung (%d ran their region)\n",
-              hung_without, kChildren, hung_with, kChildren, ok_with);
+  std::printf(
+      "children of a parent that ran a region: without the pause %d of %d hung, with it "
+      "%d of %d hung (%d ran their region)\n",
+      hung_without, kChildren, hung_with, kChildren, ok_with);
   EXPECT_EQ(hung_without, kChildren) << "the defect no longer shows: this test shows nothing";
   EXPECT_EQ(hung_with, 0);
   EXPECT_EQ(ok_with, kChildren);
@@ -200,10 +201,11 @@ TEST(OpenMpForkTest, ForkStormWhileOtherThreadsRunRegions) {
   stop = true;
   for (auto& t : busy) t.join();
   internal::SetOpenMpForkBypassForTest(false);
-  std::printf("OpenMP fork storm%s: %d forks, %d children ran their region, %d hung, %d failed; "
-              "%ld regions in the busy threads\n",
-              bypass ? " WITHOUT the pause" : "", (forks / kForkers) * kForkers, ok.load(),
-              hung.load(), failed.load(), regions.load());
+  std::printf(
+      "OpenMP fork storm%s: %d forks, %d children ran their region, %d hung, %d failed; "
+      "%ld regions in the busy threads\n",
+      bypass ? " WITHOUT the pause" : "", (forks / kForkers) * kForkers, ok.load(), hung.load(),
+      failed.load(), regions.load());
   EXPECT_EQ(hung.load(), 0);
   EXPECT_EQ(failed.load(), 0) << "first failure: " << first_failure.load()
                               << " (exit code, or minus the signal)";
@@ -216,15 +218,17 @@ TEST(OpenMpForkTest, ForkStormWhileOtherThreadsRunRegions) {
 // A child that forks a grandchild: each runs a region.
 TEST(OpenMpForkTest, GrandchildRunsARegion) {
   ASSERT_EQ(OmpSum(100000), Expected(100000));
-  auto child = RunInChild([] {
-    if (ChildRunsARegion() != 0) return 1;
-    const ChildResult grandchild = RunInChild(ChildRunsARegion, 20s, 20);
-    if (!grandchild.ok()) {
-      std::fprintf(stderr, "grandchild: %s\n", grandchild.Describe().c_str());
-      return 2;
-    }
-    return OmpSum(1000) == Expected(1000) ? 0 : 3;
-  }, 40s, 40);
+  auto child = RunInChild(
+      [] {
+        if (ChildRunsARegion() != 0) return 1;
+        const ChildResult grandchild = RunInChild(ChildRunsARegion, 20s, 20);
+        if (!grandchild.ok()) {
+          std::fprintf(stderr, "grandchild: %s\n", grandchild.Describe().c_str());
+          return 2;
+        }
+        return OmpSum(1000) == Expected(1000) ? 0 : 3;
+      },
+      40s, 40);
   EXPECT_TRUE(child.ok()) << child.Describe();
 }
 
@@ -239,13 +243,15 @@ TEST(OpenMpForkTest, ForkFromInsideARegionIsReportedNotHung) {
 #pragma omp parallel num_threads(2)
     {
       const auto fork_here = [&] {
-        const ChildResult r = RunInChild([] {
-          if (OpenMpUsableInThisProcess()) return 1;
-          // The grandchild inherits the verdict.
-          const ChildResult g = RunInChild([] { return OpenMpUsableInThisProcess() ? 1 : 0; },
-                                           20s, 20);
-          return g.ok() ? 0 : 2;
-        }, 30s, 30);
+        const ChildResult r = RunInChild(
+            [] {
+              if (OpenMpUsableInThisProcess()) return 1;
+              // The grandchild inherits the verdict.
+              const ChildResult g =
+                  RunInChild([] { return OpenMpUsableInThisProcess() ? 1 : 0; }, 20s, 20);
+              return g.ok() ? 0 : 2;
+            },
+            30s, 30);
         status = r.ok() ? 0 : r.timed_out ? 3 : (r.exited ? r.exit_code : 4);
       };
       if (who < 2 && omp_get_thread_num() == who) fork_here();
@@ -306,10 +312,12 @@ TEST(OpenMpForkTest, NestedParallelismSurvivesTheFork) {
     }
   });
   for (int i = 0; i < 10; ++i) {
-    const ChildResult r = RunInChild([&] {
-      if (!OpenMpUsableInThisProcess()) return 2;
-      return nested_sum() ? 0 : 1;
-    }, 30s, 30);
+    const ChildResult r = RunInChild(
+        [&] {
+          if (!OpenMpUsableInThisProcess()) return 2;
+          return nested_sum() ? 0 : 1;
+        },
+        30s, 30);
     EXPECT_TRUE(r.ok()) << "fork " << i << ": " << r.Describe();
     ASSERT_TRUE(nested_sum());
   }

@@ -9,11 +9,11 @@
 #include <chrono>
 #include <thread>
 
+#include "forksafe/runtime/at_fork.h"
+#include "forksafe/runtime/thread_pool.h"
 #include "gtest/gtest.h"
 #include "oneapi/tbb/global_control.h"
 #include "oneapi/tbb/parallel_for.h"
-#include "forksafe/runtime/at_fork.h"
-#include "forksafe/runtime/thread_pool.h"
 #include "tests/support/child_process.h"
 #include "tests/support/workloads.h"
 
@@ -154,11 +154,13 @@ TEST(TbbForkTest, ForkWhileAForeignThreadRunsParallelAlgorithms) {
   }
   int ok = 0;
   for (int i = 0; i < 20; ++i) {
-    auto child = RunInChild([] {
-      // Either oneTBB was quiesced (and works), or the registry said it is unusable here.
-      if (!TbbUsableInThisProcess()) return 0;
-      return TbbSum(50000) == 1249975000L ? 0 : 1;
-    }, 30s, 30);
+    auto child = RunInChild(
+        [] {
+          // Either oneTBB was quiesced (and works), or the registry said it is unusable here.
+          if (!TbbUsableInThisProcess()) return 0;
+          return TbbSum(50000) == 1249975000L ? 0 : 1;
+        },
+        30s, 30);
     ok += child.ok();
     EXPECT_TRUE(child.ok()) << "fork " << i << ": " << child.Describe();
   }

@@ -15,9 +15,9 @@
 #include <thread>
 #include <vector>
 
-#include "gtest/gtest.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
+#include "gtest/gtest.h"
 #include "tests/support/child_process.h"
 
 namespace forksafe::runtime {
@@ -167,22 +167,24 @@ TEST(ThreadPoolTest, ForkWhileBusyDrainsInFlightAndKeepsQueue) {
     });
   }
   while (started < 2) std::this_thread::sleep_for(100us);
-  auto child = RunInChild([&] {
-    // In the child: nothing inherited runs, the queue is gone, and the pool works afresh.
-    if (pool.queued() != 0) return 1;
-    if (pool.live_workers() != 0) return 2;
-    const int f = finished.load();
-    std::this_thread::sleep_for(20ms);
-    if (finished.load() != f) return 3;  // no parent task ran here
-    auto r = pool.Submit([] { return 7; });
-    if (r.get() != 7) return 4;
-    std::atomic<int64_t> s{0};
-    pool.ParallelFor(0, 1000, 10, [&](int64_t a, int64_t b) {
-      for (int64_t i = a; i < b; ++i) s += i;
-    });
-    if (s != 499500) return 5;
-    return pool.stats().rebuilt_in_child == 1 ? 0 : 6;
-  }, 30s);
+  auto child = RunInChild(
+      [&] {
+        // In the child: nothing inherited runs, the queue is gone, and the pool works afresh.
+        if (pool.queued() != 0) return 1;
+        if (pool.live_workers() != 0) return 2;
+        const int f = finished.load();
+        std::this_thread::sleep_for(20ms);
+        if (finished.load() != f) return 3;  // no parent task ran here
+        auto r = pool.Submit([] { return 7; });
+        if (r.get() != 7) return 4;
+        std::atomic<int64_t> s{0};
+        pool.ParallelFor(0, 1000, 10, [&](int64_t a, int64_t b) {
+          for (int64_t i = a; i < b; ++i) s += i;
+        });
+        if (s != 499500) return 5;
+        return pool.stats().rebuilt_in_child == 1 ? 0 : 6;
+      },
+      30s);
   // At the instant of the fork no task was in flight: started == finished then. The registry ran
   // our prepare, so check the counters it left.
   EXPECT_TRUE(child.ok()) << child.Describe();
@@ -220,13 +222,19 @@ TEST(ThreadPoolTest, NoTaskIsInFlightAtTheForkInstant) {
 TEST(ThreadPoolTest, ForkFromAWorkerDoesNotWaitForItself) {
   ThreadPool pool(ThreadPoolOptions{2, "self", 5000ms});
   std::atomic<int> other_tasks{0};
-  for (int i = 0; i < 4; ++i) pool.Post([&] { std::this_thread::sleep_for(1ms); ++other_tasks; });
+  for (int i = 0; i < 4; ++i)
+    pool.Post([&] {
+      std::this_thread::sleep_for(1ms);
+      ++other_tasks;
+    });
   auto result = pool.Submit([&] {
-    return RunInChild([&] {
-      // The child runs on the thread that forked; a fresh pool works here.
-      ThreadPool fresh(ThreadPoolOptions{2, "child", 1000ms});
-      return fresh.Submit([] { return 1; }).get() == 1 ? 0 : 1;
-    }, 20s);
+    return RunInChild(
+        [&] {
+          // The child runs on the thread that forked; a fresh pool works here.
+          ThreadPool fresh(ThreadPoolOptions{2, "child", 1000ms});
+          return fresh.Submit([] { return 1; }).get() == 1 ? 0 : 1;
+        },
+        20s);
   });
   auto child = result.get();
   EXPECT_TRUE(child.ok()) << child.Describe();
@@ -286,10 +294,12 @@ TEST(ThreadPoolTest, TaskOutlivingTheDeadlineIsReportedAndForkProceeds) {
     done = true;
   });
   while (!started) std::this_thread::sleep_for(100us);
-  auto child = RunInChild([&] {
-    if (done.load()) return 1;  // the task had finished at the fork: it was waited for
-    return pool.Submit([] { return 3; }).get() == 3 ? 0 : 2;
-  }, 20s);
+  auto child = RunInChild(
+      [&] {
+        if (done.load()) return 1;  // the task had finished at the fork: it was waited for
+        return pool.Submit([] { return 3; }).get() == 3 ? 0 : 2;
+      },
+      20s);
   gate.Open();
   EXPECT_TRUE(child.ok()) << child.Describe();
   ForkReport r = AtForkRegistry::Get().LastReport();
@@ -334,11 +344,13 @@ TEST(ThreadPoolTest, AWorkerThreadEndsCompletelyBeforeTheFork) {
   };
   AtForkRegistration reg(&tag, std::move(opener));  // registered after the pool: prepared before
   pool.Submit([] { UseSlowThreadExit(); }).get();
-  auto child = RunInChild([] {
-    if (!g_exit_mu.try_lock()) return 1;  // held by a thread that does not exist here
-    g_exit_mu.unlock();
-    return 0;
-  }, 30s);
+  auto child = RunInChild(
+      [] {
+        if (!g_exit_mu.try_lock()) return 1;  // held by a thread that does not exist here
+        g_exit_mu.unlock();
+        return 0;
+      },
+      30s);
   EXPECT_TRUE(child.ok()) << "the fork happened while a worker's thread_local destructor held a "
                              "lock: "
                           << child.Describe();
@@ -446,22 +458,25 @@ struct ExitNeedsPostersLock {
   ~ExitNeedsPostersLock() { std::lock_guard<std::mutex> lk(g_post_mu); }
 };
 TEST(ThreadPoolTest, PostDoesNotWaitForALeavingWorkerThatWaitsForItsCaller) {
-  auto result = RunInChild([] {
-    ThreadPool pool(ThreadPoolOptions{1, "poster", 100ms});
-    pool.Submit([] {
-      thread_local ExitNeedsPostersLock on_exit;
-      (void)&on_exit;
-    }).get();
-    std::unique_lock<std::mutex> held(g_post_mu);
-    // The fork's drain lets the worker go; its destructor now waits for g_post_mu (held here).
-    auto grandchild = RunInChild([] { return 0; }, 20s);
-    if (!grandchild.ok()) return 2;
-    // Post finds the leaving worker listed and must go on without joining it.
-    if (pool.Submit([] { return 5; }).get() != 5) return 3;
-    held.unlock();  // now the leaving worker can end
-    pool.Wait();
-    return 0;
-  }, 20s, 20);
+  auto result = RunInChild(
+      [] {
+        ThreadPool pool(ThreadPoolOptions{1, "poster", 100ms});
+        pool.Submit([] {
+              thread_local ExitNeedsPostersLock on_exit;
+              (void)&on_exit;
+            })
+            .get();
+        std::unique_lock<std::mutex> held(g_post_mu);
+        // The fork's drain lets the worker go; its destructor now waits for g_post_mu (held here).
+        auto grandchild = RunInChild([] { return 0; }, 20s);
+        if (!grandchild.ok()) return 2;
+        // Post finds the leaving worker listed and must go on without joining it.
+        if (pool.Submit([] { return 5; }).get() != 5) return 3;
+        held.unlock();  // now the leaving worker can end
+        pool.Wait();
+        return 0;
+      },
+      20s, 20);
   EXPECT_TRUE(result.ok()) << "Post waited for a worker that waited for Post's caller: "
                            << result.Describe();
 }

@@ -19,7 +19,7 @@ namespace forksafe::testing {
 
 /// The C functions of one loaded copy (see two_copies_plugin.cc for what each does).
 struct PluginCopy {
-  std::string path;  ///< The absolute path it was loaded from.
+  std::string path;         ///< The absolute path it was loaded from.
   int (*role)() = nullptr;  ///< 0 primary, 1 nested, 2 separate.
   const char* (*primary_object)() = nullptr;
   const char* (*handler_names)() = nullptr;

@@ -4,9 +4,9 @@
 // loads both with dlopen(RTLD_LOCAL) and drives them through the plain C functions below.
 //
 // Busy work (copy_start): a pool of this copy that a feeder thread keeps posting short tasks to
-// (some run a oneTBB algorithm), and a mutex held across every fork (HoldAcrossFork) that a second thread keeps taking.
-// Strings returned by these functions live until the next call of the same function on the same
-// thread.
+// (some run a oneTBB algorithm), and a mutex held across every fork (HoldAcrossFork) that a second
+// thread keeps taking. Strings returned by these functions live until the next call of the same
+// function on the same thread.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -70,9 +70,9 @@ struct Busy {
   std::atomic<bool> stop{false};
   std::thread feeder, taker;
 };
-Busy* g_busy = nullptr;       // between copy_start and copy_stop (test thread only)
-std::thread g_holder;         // copy_hold_for_ms's thread, joined by the next call or copy_stop
-std::thread g_lock_holder;    // copy_hold_framework_lock_for_ms's thread, likewise
+Busy* g_busy = nullptr;     // between copy_start and copy_stop (test thread only)
+std::thread g_holder;       // copy_hold_for_ms's thread, joined by the next call or copy_stop
+std::thread g_lock_holder;  // copy_hold_framework_lock_for_ms's thread, likewise
 std::atomic<int64_t> g_lock_released_ns{0};  // when g_lock_holder let go (steady clock)
 
 const char* Keep(std::string s) {

@@ -14,10 +14,10 @@
 #include <string>
 #include <thread>
 
-#include "gtest/gtest.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/internal/process_instance.h"
 #include "forksafe/runtime/thread_pool.h"
+#include "gtest/gtest.h"
 #include "tests/runtime/two_copies_loader.h"
 #include "tests/support/child_process.h"
 #include "tests/support/workloads.h"
@@ -33,8 +33,7 @@ using runtime::RegistryRole;
 // after the plugin's nested handler (prepare runs in reverse registration order), so a "not yet"
 // here rolls the nested copy back.
 std::mutex g_program_mu;
-const bool g_program_mu_registered =
-    (runtime::HoldAcrossFork(&g_program_mu, "held:program"), true);
+const bool g_program_mu_registered = (runtime::HoldAcrossFork(&g_program_mu, "held:program"), true);
 
 // Also registered before the plugin loads, so prepared after its nested handler: records whether
 // the plugin's framework lock is already held by the forking thread at that point (it must not
@@ -185,8 +184,7 @@ TEST(ProgramAndPluginTest, ARefusedCopyRunsSeparatelyAndSaysSo) {
   runtime::internal::RefuseNestingForTest("nesting refused by two_copies_static_test");
   std::string error;
   PluginCopy* b = nullptr;
-  const std::string said =
-      CaptureStderr([&] { b = LoadCopy("libforksafe_copy_b.so", &error); });
+  const std::string said = CaptureStderr([&] { b = LoadCopy("libforksafe_copy_b.so", &error); });
   runtime::internal::RefuseNestingForTest(nullptr);
   ASSERT_NE(b, nullptr) << error;
   EXPECT_EQ(b->role(), 2) << "0 primary, 1 nested, 2 separate";

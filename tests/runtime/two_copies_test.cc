@@ -41,8 +41,8 @@ Copies LoadBoth() {
   const bool decided = c.primary != nullptr;
   if (!decided) c = {a, b};  // go on, to show what else goes wrong
   EXPECT_TRUE(decided) << "roles: copy a " << ra << ", copy b " << rb
-                                << " (0 primary, 1 nested, 2 separate): exactly one copy must "
-                                   "be primary and the other nested in it";
+                       << " (0 primary, 1 nested, 2 separate): exactly one copy must "
+                          "be primary and the other nested in it";
   return c;
 }
 
@@ -72,7 +72,8 @@ TEST(TwoCopiesTest, ExactlyOneIsPrimaryAndTheOtherNestsInIt) {
   ASSERT_EQ(c.nested->work(), 0);
   const std::string handlers = c.primary->handler_names();
   EXPECT_TRUE(Contains(handlers, "forksafe copy in " + c.nested->path))
-      << "the primary's handlers:\n" << handlers;
+      << "the primary's handlers:\n"
+      << handlers;
   EXPECT_EQ(std::string(c.nested->primary_object()), c.primary->path);
   EXPECT_EQ(std::string(c.primary->primary_object()), c.primary->path);
   // The nested copy keeps its own handlers (pool, held mutex) in its own registry.
@@ -117,7 +118,8 @@ TEST(TwoCopiesTest, ForksManyTimesWhileBothCopiesAreBusy) {
   }
   // For the log: forks whose report had events (retries, drain deadlines), and the first one.
   RecordProperty("forks_with_events", not_clean);
-  if (not_clean > 0) std::printf("%d of %d forks reported events; first: %s\n", not_clean, forks, example.c_str());
+  if (not_clean > 0)
+    std::printf("%d of %d forks reported events; first: %s\n", not_clean, forks, example.c_str());
   // Every fork went through the primary's registry and through the nested copy's handlers.
   EXPECT_EQ(c.primary->fork_count() - primary_forks, static_cast<uint64_t>(forks));
   EXPECT_EQ(c.nested->fork_count() - nested_forks, static_cast<uint64_t>(forks));
@@ -130,8 +132,8 @@ TEST(TwoCopiesTest, NestedCopyNotReadyIsRetriedAndTheForkCompletes) {
   // "not yet" until the thread lets go, 300 ms later, well before the prepare deadline (3 s).
   c.nested->hold_for_ms(300);
   const auto start = std::chrono::steady_clock::now();
-  const ChildResult r = RunInChild(
-      [&] { return c.primary->work() == 0 && c.nested->work() == 0 ? 0 : 1; }, 30s, 30);
+  const ChildResult r =
+      RunInChild([&] { return c.primary->work() == 0 && c.nested->work() == 0 ? 0 : 1; }, 30s, 30);
   const auto took = std::chrono::steady_clock::now() - start;
   c.nested->stop();
   ASSERT_TRUE(r.ok()) << "the child " << r.Describe();
@@ -208,10 +210,10 @@ TEST(TwoCopiesTest, ANestedFrameworkLockHeldTooLongDelaysTheForkOnlyOnce) {
   ASSERT_TRUE(r.ok()) << "the child " << r.Describe();
   EXPECT_TRUE(released_ns == 0 || fork_done_ns < released_ns)
       << "the fork waited for the holder of the nested copy's framework lock";
-  EXPECT_EQ(c.primary->count_events(
-                "framework_lock_timeout",
-                ("forksafe copy in " + c.nested->path + ": framework_lock").c_str()),
-            1)
+  EXPECT_EQ(
+      c.primary->count_events("framework_lock_timeout",
+                              ("forksafe copy in " + c.nested->path + ": framework_lock").c_str()),
+      1)
       << report;
 }
 
@@ -225,8 +227,7 @@ TEST(TwoCopiesTest, AWorkerOfTheNestedCopysPoolForks) {
   EXPECT_EQ(c.nested->fork_from_worker(), 0);
   EXPECT_EQ(c.primary->fork_count(), forks + 1);
   EXPECT_EQ(c.primary->count_events("prepare_gave_up", ""), 0) << c.primary->last_report();
-  EXPECT_EQ(c.primary->count_events("drain_deadline_exceeded", ""), 0)
-      << c.primary->last_report();
+  EXPECT_EQ(c.primary->count_events("drain_deadline_exceeded", ""), 0) << c.primary->last_report();
 }
 
 }  // namespace

@@ -27,10 +27,10 @@
 namespace forksafe {
 namespace {
 
-using forksafe::testing::ChildResult;
-using forksafe::testing::RunInChild;
-using forksafe::testing::PoolSum;
 using forksafe::testing::BusyParent;
+using forksafe::testing::ChildResult;
+using forksafe::testing::PoolSum;
+using forksafe::testing::RunInChild;
 using forksafe::testing::TbbSum;
 using namespace std::chrono_literals;
 
@@ -117,16 +117,16 @@ TEST(ForkSoakTest, TenThousandForksUnderBusyPools) {
 
   const runtime::TbbForkStats tbb = runtime::GetTbbForkStats();
   const runtime::ThreadPoolStats ps = pool.stats();
-  printf("soak: forks: %d forks in %.1f s (%.0f forks/s, slowest fork+child %.1f ms), %d failed, "
-         "%d hung; parent ran %ld pool tasks and %ld oneTBB rounds meanwhile; oneTBB finalized "
-         "%llu, gave up %llu; pool drain deadline hits %llu; prepares that waited for a "
-         "worker's thread to end %llu\n",
-         done.load(), secs, done.load() / secs, slowest_us.load() / 1000.0, failures.load(),
-         hung.load(), busy.completed.load(), busy.tbb_rounds.load(),
-         static_cast<unsigned long long>(tbb.finalized),
-         static_cast<unsigned long long>(tbb.gave_up),
-         static_cast<unsigned long long>(ps.drain_timeouts),
-         static_cast<unsigned long long>(ps.exit_waits + busy.tbb_pool_stats().exit_waits));
+  printf(
+      "soak: forks: %d forks in %.1f s (%.0f forks/s, slowest fork+child %.1f ms), %d failed, "
+      "%d hung; parent ran %ld pool tasks and %ld oneTBB rounds meanwhile; oneTBB finalized "
+      "%llu, gave up %llu; pool drain deadline hits %llu; prepares that waited for a "
+      "worker's thread to end %llu\n",
+      done.load(), secs, done.load() / secs, slowest_us.load() / 1000.0, failures.load(),
+      hung.load(), busy.completed.load(), busy.tbb_rounds.load(),
+      static_cast<unsigned long long>(tbb.finalized), static_cast<unsigned long long>(tbb.gave_up),
+      static_cast<unsigned long long>(ps.drain_timeouts),
+      static_cast<unsigned long long>(ps.exit_waits + busy.tbb_pool_stats().exit_waits));
   RecordProperty("forks", done.load());
   EXPECT_EQ(done.load(), 2 * per_thread);
   EXPECT_EQ(failures.load(), 0);

@@ -117,13 +117,14 @@ TEST(PoolSoakTest, RandomWorkerKillsLoseNoTask) {
   pool.close();
   const bool joined = pool.join(60s);
 
-  printf("soak: pool: %.1f s, %lld tasks submitted: %lld done, %lld failed with WorkerLostError, "
-         "%lld other errors, %lld hung, %lld wrong results, %lld ran twice; %d workers killed "
-         "(%.0f tasks/s)\n",
-         secs, static_cast<long long>(submitted), static_cast<long long>(done),
-         static_cast<long long>(lost), static_cast<long long>(other_errors),
-         static_cast<long long>(hung), static_cast<long long>(wrong),
-         static_cast<long long>(ran_twice), kills.load(), submitted / secs);
+  printf(
+      "soak: pool: %.1f s, %lld tasks submitted: %lld done, %lld failed with WorkerLostError, "
+      "%lld other errors, %lld hung, %lld wrong results, %lld ran twice; %d workers killed "
+      "(%.0f tasks/s)\n",
+      secs, static_cast<long long>(submitted), static_cast<long long>(done),
+      static_cast<long long>(lost), static_cast<long long>(other_errors),
+      static_cast<long long>(hung), static_cast<long long>(wrong),
+      static_cast<long long>(ran_twice), kills.load(), submitted / secs);
   RecordProperty("tasks", static_cast<int>(submitted));
   RecordProperty("killed_workers", kills.load());
   EXPECT_TRUE(joined) << "the pool's workers did not exit after close()";

@@ -99,10 +99,11 @@ TEST(QueueSoakTest, MillionMessagesFromFourProducers) {
     EXPECT_EQ(next[id], per_producer) << "producer " << id << ": messages lost at the end";
     lost += per_producer - next[id];
   }
-  printf("soak: queue: %lld messages from %d %s producers in %.2f s (%.0f messages/s); "
-         "lost %lld, duplicated %lld\n",
-         static_cast<long long>(received), kProducers, method.c_str(), secs, received / secs,
-         static_cast<long long>(lost), static_cast<long long>(duplicated));
+  printf(
+      "soak: queue: %lld messages from %d %s producers in %.2f s (%.0f messages/s); "
+      "lost %lld, duplicated %lld\n",
+      static_cast<long long>(received), kProducers, method.c_str(), secs, received / secs,
+      static_cast<long long>(lost), static_cast<long long>(duplicated));
   RecordProperty("messages", static_cast<int>(received));
   RecordProperty("messages_per_s", static_cast<int>(received / secs));
 }

@@ -87,8 +87,8 @@ inline std::string RunBounded(const std::function<std::string()>& body,
     uint64_t size_pages = 0, resident_pages = 0;
     if (statm >> size_pages >> resident_pages &&
         resident_pages * static_cast<uint64_t>(page) > kBoundedChildRssBytes) {
-      verdict = "the child went over its memory bound (" +
-                std::to_string(resident_pages * page) + " bytes resident): killed";
+      verdict = "the child went over its memory bound (" + std::to_string(resident_pages * page) +
+                " bytes resident): killed";
     } else if (std::chrono::steady_clock::now() > deadline) {
       verdict = "the child timed out: killed";
     }
@@ -105,7 +105,8 @@ inline std::string RunBounded(const std::function<std::string()>& body,
   while ((n = read(pfd[0], buf, sizeof buf)) > 0) said.append(buf, static_cast<size_t>(n));
   close(pfd[0]);
   if (!verdict.empty()) return verdict + (said.empty() ? "" : "; it said: " + said);
-  if (WIFSIGNALED(status)) return "the child was killed by signal " + std::to_string(WTERMSIG(status));
+  if (WIFSIGNALED(status))
+    return "the child was killed by signal " + std::to_string(WTERMSIG(status));
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
   return said.empty() ? "the child exited with " + std::to_string(WEXITSTATUS(status)) : said;
 }

@@ -16,7 +16,7 @@ namespace forksafe::testing {
 /// How a child ended.
 struct ChildResult {
   pid_t pid = -1;
-  bool exited = false;     ///< Exited normally; see exit_code.
+  bool exited = false;  ///< Exited normally; see exit_code.
   int exit_code = -1;
   int signal = 0;          ///< Killed by this signal (0 if it exited).
   bool timed_out = false;  ///< The parent gave up waiting and killed it.

@@ -33,10 +33,10 @@ using Range = std::pair<uintptr_t, uintptr_t>;
 
 // What this process holds at one instant.
 struct Snapshot {
-  std::map<int, std::string> fds;                        // fd -> target
+  std::map<int, std::string> fds;                          // fd -> target
   std::map<pid_t, std::pair<std::string, char>> children;  // pid -> (name, state)
-  std::set<std::string> shm_names;                       // forksafe_<pid>_* in /dev/shm
-  std::map<Range, std::string> mappings;                 // shared mappings -> path
+  std::set<std::string> shm_names;                         // forksafe_<pid>_* in /dev/shm
+  std::map<Range, std::string> mappings;                   // shared mappings -> path
 };
 
 std::string ReadLink(const std::string& path) {
@@ -179,7 +179,8 @@ std::string StateName(char st) {
     case 'R': return "running";
     case 'S': return "sleeping";
     case 'D': return "in uninterruptible sleep";
-    case 'T': case 't': return "stopped";
+    case 'T':
+    case 't': return "stopped";
     case 'X': return "dead";
     default: return std::string("state ") + st;
   }
@@ -203,7 +204,8 @@ std::vector<std::string> Leaks(const Snapshot& before, const Kept& kept_before,
       out.push_back("open file descriptor " + std::to_string(fd) + " -> " + target);
     } else if (auto k = kept_before.fds.find(fd); k != kept_before.fds.end()) {
       out.push_back("open file descriptor " + std::to_string(fd) + " -> " + target + ": the " +
-                    k->second + " that the library kept before this test, abandoned by it "
+                    k->second +
+                    " that the library kept before this test, abandoned by it "
                     "(no longer reported as kept) but still open");
     }
   }
@@ -214,7 +216,8 @@ std::vector<std::string> Leaks(const Snapshot& before, const Kept& kept_before,
     if (!before.children.count(pid)) {
       out.push_back(what);
     } else if (auto k = kept_before.children.find(pid); k != kept_before.children.end()) {
-      out.push_back(what + ": the " + k->second + " that the library kept before this test, "
+      out.push_back(what + ": the " + k->second +
+                    " that the library kept before this test, "
                     "abandoned by it (no longer reported as kept) but still there");
     }
   }
@@ -282,8 +285,8 @@ class LeakCheckListener : public ::testing::EmptyTestEventListener {
     const std::string name = std::string(info.test_suite_name()) + "." + info.name();
     if (!reason.empty()) {
       ++expected_;
-      fprintf(stderr, "forksafe leak check: %s left behind, as it expects (%s):%s\n",
-              name.c_str(), reason.c_str(), list.c_str());
+      fprintf(stderr, "forksafe leak check: %s left behind, as it expects (%s):%s\n", name.c_str(),
+              reason.c_str(), list.c_str());
       return;
     }
     ++leaked_;
@@ -337,8 +340,8 @@ bool ChildLeakScope::Check() {
       SettledLeaks(state_->before, state_->kept_before, !reason.empty());
   if (leaks.empty()) return true;
   if (!reason.empty()) {
-    fprintf(stderr, "forksafe leak check: child %d left behind, as it expects (%s):%s\n",
-            getpid(), reason.c_str(), List(leaks).c_str());
+    fprintf(stderr, "forksafe leak check: child %d left behind, as it expects (%s):%s\n", getpid(),
+            reason.c_str(), List(leaks).c_str());
     return true;
   }
   fprintf(stderr,

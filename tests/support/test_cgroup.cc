@@ -194,8 +194,8 @@ std::unique_ptr<TestCgroup> TestCgroup::Make(const std::string& controller, std:
     const std::string control = cg->hierarchy_ + "/cgroup.subtree_control";
     if (!HasWord(runtime::internal::ReadSmallFile(control), controller)) {
       if (!WriteText(control, "+" + controller)) {
-        *why = "cannot enable the " + controller + " controller (" + control + ": " +
-               Errno(errno) + "): this test needs root and a writable /sys/fs/cgroup";
+        *why = "cannot enable the " + controller + " controller (" + control + ": " + Errno(errno) +
+               "): this test needs root and a writable /sys/fs/cgroup";
         return nullptr;
       }
       cg->enabled_controller_ = true;  // to be disabled again by Remove

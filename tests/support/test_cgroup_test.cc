@@ -79,7 +79,8 @@ TEST(TestCgroupTest, RestoresTheSubtreeControlItChangedAlsoWhenTheTestFails) {
   // it ("+name") and Remove must disable it again.
   std::string v2_root;
   std::string controller;
-  for (const auto& m : runtime::internal::ParseCgroupMounts(ReadSmallFile("/proc/self/mountinfo"))) {
+  for (const auto& m :
+       runtime::internal::ParseCgroupMounts(ReadSmallFile("/proc/self/mountinfo"))) {
     if (!m.v2 || m.root != "/") continue;
     const std::string enabled = ReadSmallFile(m.mount_point + "/cgroup.subtree_control");
     std::string word;
@@ -125,19 +126,21 @@ TEST(TestCgroupTest, KillsWhatIsLeftInsideAndRemovesItsCgroup) {
   // A child joins the sub-cgroup and leaves a grandchild there that outlives it (as a fork
   // server or a Pool worker still exiting can).
   const TestCgroup* c = cg.get();
-  auto r = RunInChild([c, &sub] {
-    if (!c->Join(sub)) return 2;
-    const pid_t middle = fork();
-    if (middle == 0) {
-      if (fork() == 0) {
-        for (int i = 0; i < 600; ++i) usleep(100000);  // 60 s, unless killed
-        _exit(0);
-      }
-      _exit(0);
-    }
-    int status = 0;
-    return waitpid(middle, &status, 0) == middle ? 0 : 3;
-  }, 30s);
+  auto r = RunInChild(
+      [c, &sub] {
+        if (!c->Join(sub)) return 2;
+        const pid_t middle = fork();
+        if (middle == 0) {
+          if (fork() == 0) {
+            for (int i = 0; i < 600; ++i) usleep(100000);  // 60 s, unless killed
+            _exit(0);
+          }
+          _exit(0);
+        }
+        int status = 0;
+        return waitpid(middle, &status, 0) == middle ? 0 : 3;
+      },
+      30s);
   ASSERT_TRUE(r.ok()) << r.Describe();
   const std::vector<int> inside = CgroupPids(sub);
   ASSERT_EQ(inside.size(), 1u) << "the grandchild should still be in " << sub;
@@ -156,10 +159,9 @@ TEST(TestCgroupTest, RemovesWhatDeadRunsLeftAndNothingElse) {
   const std::string h = cg->hierarchy();
   const std::string dead = std::to_string(DeadPid());
   // Left by dead runs (the old names and the fixture's): removed by the next Make.
-  const std::vector<std::string> stale = {h + "/forksafe_test_" + dead,
-                                          h + "/forksafe_test_" + dead + "/inner",
-                                          h + "/forksafe_cpu_test_" + dead,
-                                          h + "/forksafe_test_" + dead + "_memory"};
+  const std::vector<std::string> stale = {
+      h + "/forksafe_test_" + dead, h + "/forksafe_test_" + dead + "/inner",
+      h + "/forksafe_cpu_test_" + dead, h + "/forksafe_test_" + dead + "_memory"};
   // Kept: a live run's (this process's), one a process still uses whatever its name says, and
   // one of another naming scheme.
   const std::string live = h + "/forksafe_test_" + std::to_string(getpid()) + "_live";

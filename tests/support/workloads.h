@@ -82,15 +82,15 @@ class BusyParent {
   /// The statistics of the one-worker pool that runs oneTBB.
   runtime::ThreadPoolStats tbb_pool_stats() const { return tbb_pool_.stats(); }
 
-  std::atomic<long> submitted{0};   ///< Tasks posted to the pool.
-  std::atomic<long> completed{0};   ///< Tasks that ran.
-  std::atomic<long> tbb_rounds{0};  ///< TbbSum rounds finished.
+  std::atomic<long> submitted{0};      ///< Tasks posted to the pool.
+  std::atomic<long> completed{0};      ///< Tasks that ran.
+  std::atomic<long> tbb_rounds{0};     ///< TbbSum rounds finished.
   std::atomic<bool> tbb_wrong{false};  ///< Some round gave a wrong sum.
 
  private:
   std::atomic<bool> stop_{false};
   runtime::ThreadPool tbb_pool_{runtime::ThreadPoolOptions{1, "tbb_user", std::chrono::seconds(5)}};
-  std::thread feeder_;    // declared last: started once everything above exists
+  std::thread feeder_;  // declared last: started once everything above exists
   std::thread tbb_user_;
 };
 
