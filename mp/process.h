@@ -134,7 +134,10 @@ struct ChildFailure {
 namespace internal {
 /// Installs mp/'s sharing layer in the device layer's extension point (device/storage_sharing.h),
 /// once per process; later calls cost one check. Defined in mp/sharing.cc: a target that passes
-/// tensors to a Process links //mp:sharing (as it must to encode them: mp/codec.h).
+/// tensors to a Process links //mp:sharing (libforksafe.so and //:forksafe have it), under every
+/// start method: a fork-only lambda target with a tensor argument too, which shares the tensor
+/// instead of handing the child a private copy-on-write copy. Without it the link fails, naming
+/// this function.
 void InstallStorageSharing();
 
 /// With the fork start method arguments are copied with the parent's memory, not encoded: CPU
@@ -257,8 +260,10 @@ class Process {
 /// A start method bound to a name, as returned by get_context() (Python's context objects).
 class Context {
  public:
-  explicit Context(StartMethod method) : method_(method.Resolved()) {}
-  /// The method (never kDefault).
+  /// A context of `method`; kDefault ("") stays the default, resolved when a process starts
+  /// (get_context() resolves it at once, as Python's does).
+  explicit Context(StartMethod method) : method_(method) {}
+  /// The method (kDefault only for a Context built directly with the default).
   StartMethod start_method() const { return method_; }
   /// ProcessOptions with this context's start method.
   ProcessOptions options(std::string name = "", bool daemon = false) const {

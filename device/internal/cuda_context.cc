@@ -131,8 +131,9 @@ void SyncStream(CudaContext& c, DeviceState& st, const char* what) {
       ThrowCu(*d, r, absl::StrCat(what, ": cuStreamQuery(cuda:", st.index, ")"));
     }
     for (const auto& w : waits) {
-      if (runtime::internal::ProcessAlive(w.exporter)) continue;
+      // The event first: one driver call, where a liveness check reads /proc.
       if (d->cuEventQuery(w.event) == CUDA_SUCCESS) continue;
+      if (runtime::internal::ProcessAlive(w.exporter)) continue;
       {
         MutexLock lk(&st.mu);
         // Forgotten meanwhile on this same stream (another thread saw the stream idle, so it

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <unordered_map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -126,11 +127,18 @@ void CudaBackend::WaitIpcEvent(int index, const IpcEventHandle& event) {
       ev = it->second.event;
     } else {
       if (st.opened.size() >= 1024) {  // forget events of exporters that have exited
+        // One liveness check per exporter (each reads /proc), not one per event.
+        std::unordered_map<pid_t, bool> alive;
+        auto exporter_alive = [&alive](pid_t pid) {
+          auto [at, fresh] = alive.try_emplace(pid, false);
+          if (fresh) at->second = runtime::internal::ProcessAlive(pid);
+          return at->second;
+        };
         for (auto o = st.opened.begin(); o != st.opened.end();) {
           const bool awaited = std::any_of(st.waits.begin(), st.waits.end(), [&](const auto& w) {
             return w.event == o->second.event;
           });
-          if (!awaited && !runtime::internal::ProcessAlive(o->second.exporter)) {
+          if (!awaited && !exporter_alive(o->second.exporter)) {
             d->cuEventDestroy(o->second.event);
             o = st.opened.erase(o);
           } else {

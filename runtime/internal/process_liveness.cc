@@ -17,7 +17,9 @@ bool ProcessExited(pid_t pid) {
   char path[64];
   std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
   const int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return errno == ENOENT;  // reaped between the two calls
+  // Not readable: /proc hides other users' processes (hidepid) or shows another pid namespace.
+  // kill() found the process (or EPERM): alive. A process reaped meanwhile is seen next time.
+  if (fd < 0) return false;
   char buf[512];
   ssize_t n;
   do {
