@@ -29,6 +29,6 @@ if "${bazel_cmd[@]}" build --config=thread_safety --symlink_prefix=/ --keep_goin
   exit 0
 fi
 grep -E "warning:|error:" "$log" | grep -v "^ERROR: Build did NOT" | sort -u | head -60 >&2
-echo "thread safety: $(grep -c -E '\[-W[a-z-]*thread-safety' "$log" || true) thread-safety finding(s); full log: $log" >&2
+echo "thread safety: $(grep -c -E 'error: .*-Wthread-safety' "$log" || true) thread-safety finding(s); full log: $log" >&2
 echo "thread safety: FAILED"
 exit 1
