@@ -6,8 +6,9 @@
 #   bazel       an outside workspace: local_repository + forksafe_dependencies(), @forksafe//:forksafe
 #   python      the same install, then /usr/bin/python3 examples/consumers/python/framework.py
 # Each C++ one builds examples/consumers/framework.cc and runs it (it exits non-zero on any
-# mismatch). Prints one line per consumer, then "consumers: N/4 ok in S s"; exits non-zero if any
-# failed.
+# mismatch). A fifth check, bazel-visibility, expects the outside workspace to be refused a
+# dependency on an internal/ library. Prints one line per check, then "consumers: N/5 ok in S s";
+# exits non-zero if any failed.
 # The temporary prefix is removed and the outside workspace's Bazel server stopped at the end,
 # also on failure. That workspace builds forksafe again (fastbuild) in its own output base,
 # kept in $FORKSAFE_CONSUMER_OUTPUT_BASE (default ~/.cache/forksafe-consumer) so that a re-run is
@@ -94,6 +95,17 @@ build_and_run bazel "$work/bazel-framework" \
   bash -c "cd '$bazel_ws' && bazel --output_base='$output_base' build --symlink_prefix=/ \
              //:framework && cp \"\$(bazel --output_base='$output_base' info bazel-bin)/framework\" \
              '$work/bazel-framework'"
+
+# The same workspace may not depend on forksafe's internal/ libraries: analysing
+# //:internal_probe (a dependency on @forksafe//mp:process_internal) must fail on visibility.
+probe_log="$work/bazel-visibility.log"; t0=$SECONDS
+outside_bazel build --nobuild --symlink_prefix=/ //:internal_probe >"$probe_log" 2>&1
+if grep -q "is not visible from target" "$probe_log"; then
+  report bazel-visibility 0 $((SECONDS - t0)) 0 "$probe_log"
+else
+  echo "an outside workspace could depend on @forksafe//mp:process_internal" >>"$probe_log"
+  report bazel-visibility 1 $((SECONDS - t0)) 0 "$probe_log"
+fi
 
 echo "consumers: $passed/$((passed + failed)) ok in $((SECONDS - started)) s"
 [ "$failed" -eq 0 ]
