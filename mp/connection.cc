@@ -1,6 +1,7 @@
 #include "forksafe/mp/connection.h"
 
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -48,8 +49,17 @@ void SendAll(int sock, const char* data, size_t len, const std::vector<int>& fds
       if (errno == EINTR) continue;
       if (errno == EPIPE || errno == ECONNRESET) ThrowPeerClosed("send");
       if (errno == ETOOMANYREFS) {
+        // The kernel counts descriptors in flight per user (sent by any of its processes, not yet
+        // received) against the sender's RLIMIT_NOFILE, unless it has CAP_SYS_RESOURCE.
+        rlimit rl{};
+        getrlimit(RLIMIT_NOFILE, &rl);
         throw Error(ErrorCode::kResourceExhausted,
-                    "send: too many descriptors in flight to the receiver; let it receive first");
+                    absl::StrCat("send: the descriptors this user has in flight (sent by any of "
+                                 "its processes, not yet received) exceed this process's "
+                                 "RLIMIT_NOFILE (",
+                                 rl.rlim_cur,
+                                 "); let the receivers read their messages first, or raise "
+                                 "the limit (ulimit -n)"));
       }
       runtime::ThrowSystemError("send on a connection", errno);
     }
