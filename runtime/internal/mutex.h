@@ -100,11 +100,6 @@ class CondVar {
   bool WaitUntil(MutexLock* lock, const std::chrono::time_point<Clock, Duration>& deadline) {
     return cv_.wait_until(lock->native(), deadline) == std::cv_status::no_timeout;
   }
-  /// As Wait, but returns false once `timeout` has passed (true when woken before it).
-  template <typename Rep, typename Period>
-  bool WaitFor(MutexLock* lock, const std::chrono::duration<Rep, Period>& timeout) {
-    return cv_.wait_for(lock->native(), timeout) == std::cv_status::no_timeout;
-  }
   /// Wakes one waiter.
   void NotifyOne() noexcept { cv_.notify_one(); }
   /// Wakes every waiter.

@@ -4,24 +4,30 @@
 #include <sys/random.h>
 #include <sys/types.h>
 
-#include <cstring>
-
 #include "absl/strings/escaping.h"
 #include "forksafe/runtime/error.h"
 
 namespace forksafe::runtime::internal {
 
-std::string RandomBytes(size_t n) {
-  std::string out(n, '\0');
+namespace {
+
+void FillRandom(void* out, size_t n) {
   size_t got = 0;
   while (got < n) {
-    const ssize_t r = getrandom(out.data() + got, n - got, 0);
+    const ssize_t r = getrandom(static_cast<char*>(out) + got, n - got, 0);
     if (r < 0) {
       if (errno == EINTR) continue;
       ThrowSystemError("getrandom", errno);
     }
     got += static_cast<size_t>(r);
   }
+}
+
+}  // namespace
+
+std::string RandomBytes(size_t n) {
+  std::string out(n, '\0');
+  FillRandom(out.data(), n);
   return out;
 }
 
@@ -29,10 +35,7 @@ std::string RandomHex128() { return absl::BytesToHexString(RandomBytes(16)); }
 
 uint64_t RandomId() {
   uint64_t id = 0;
-  while (id == 0) {
-    const std::string bytes = RandomBytes(sizeof id);
-    std::memcpy(&id, bytes.data(), sizeof id);
-  }
+  while (id == 0) FillRandom(&id, sizeof id);
   return id;
 }
 

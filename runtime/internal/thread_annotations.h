@@ -36,9 +36,6 @@
   FORKSAFE_THREAD_ANNOTATION_(exclusive_locks_required(__VA_ARGS__))
 /// The function must be called without the listed mutexes (it takes them, or would deadlock).
 #define FORKSAFE_LOCKS_EXCLUDED(...) FORKSAFE_THREAD_ANNOTATION_(locks_excluded(__VA_ARGS__))
-/// Lock order: this mutex is taken after / before the listed ones.
-#define FORKSAFE_ACQUIRED_AFTER(...) FORKSAFE_THREAD_ANNOTATION_(acquired_after(__VA_ARGS__))
-#define FORKSAFE_ACQUIRED_BEFORE(...) FORKSAFE_THREAD_ANNOTATION_(acquired_before(__VA_ARGS__))
 /// Turns the analysis off for one function: say in a comment why its accesses are safe.
 #define FORKSAFE_NO_THREAD_SAFETY_ANALYSIS FORKSAFE_THREAD_ANNOTATION_(no_thread_safety_analysis)
 

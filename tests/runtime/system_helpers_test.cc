@@ -4,6 +4,7 @@
 // exited, pid <= 0 is never a process; ids are non-zero and a forked child does not repeat its
 // parent's.
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -42,7 +43,8 @@ TEST(ProcessLiveness, ThisProcessAndARunningChildAreAlive) {
   const pid_t child = fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
-    pause();  // until the parent kills it
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlives the test
+    sleep(60);                         // bounded; the parent kills it long before
     _exit(0);
   }
   EXPECT_TRUE(ProcessAlive(child));
@@ -101,11 +103,11 @@ TEST(Random, AForkedChildDoesNotRepeatItsParentsIds) {
     const bool ok = write(fds[1], &id, sizeof id) == static_cast<ssize_t>(sizeof id);
     _exit(ok ? 0 : 1);
   }
+  close(fds[1]);  // a child that dies before writing gives end-of-file, not a read for ever
   const uint64_t mine = RandomId();
   uint64_t theirs = 0;
   ASSERT_EQ(read(fds[0], &theirs, sizeof theirs), static_cast<ssize_t>(sizeof theirs));
   close(fds[0]);
-  close(fds[1]);
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   EXPECT_NE(mine, theirs);
