@@ -14,13 +14,17 @@
 // - BM_Spawn2/<method>: spawn(nprocs=2) of a trivial entry point, end to end.
 // - BM_SharedTensorRoundTrip/<bytes>: an already-shared CPU tensor there and back through two
 //   Queues (a handle crosses, never the data): 4 KiB, 1 MiB, 64 MiB.
-// - BM_FreshTensorSend/<bytes>/<cache>: a fresh (not yet shared) tensor filled and put on a Queue
-//   each iteration, the child acknowledging; with the caching arena (1) and without it (0), where
-//   every tensor gets a new segment, mapping and page faults.
+// - BM_FreshTensorSend/<bytes>/<cache>: a fresh (not yet shared) tensor put on a Queue each
+//   iteration, the child acknowledging; with the caching arena (1) and without it (0), where every
+//   tensor gets a new segment, mapping and page faults. At 64 MiB (over 16 MiB: a dedicated
+//   segment) the cache is the large-segment cache: `large_reuse` counts its reuses per send.
+// - BM_BornSharedSend/<bytes>: the same with the tensor born shared (mp::BornSharedScope around its
+//   creation): created in the arena, so the send copies nothing.
 // - BM_PoolMapTensors/<count>/<bytes>: Pool(2).map of a reduction (sum) over already-shared CPU
 //   tensors: 2,000 of 4 KiB and 500 of 1 MiB. Counters: `per_task_us` (map time / tasks) and
 //   `overhead_us`, the per-task cost of the pool itself, measured in the same iteration by a map
 //   of a task that returns the tensor's size without touching its data.
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -31,6 +35,7 @@
 
 #include "benchmark/benchmark.h"
 #include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/shared_arena.h"  // stats only: large-segment reuses
 #include "forksafe/mp/manager.h"
 #include "forksafe/mp/pool.h"
 #include "forksafe/mp/process.h"
@@ -205,12 +210,17 @@ void BM_FreshTensorSend(benchmark::State& state) {
   Queue to, from;
   Process p(ProcessOptions{"", false, "fork"}, &TensorAck, to, from);
   p.start();
+  const auto a0 = forksafe::mp::internal::SharedArena::Get().stats();
   for (auto _ : state) {
     auto t = forksafe::device::Tensor::Empty({n}, forksafe::device::DType::kFloat32,
                                              forksafe::device::kCPU);
     to.put(t);  // moves it to shared memory, sends the handle
     benchmark::DoNotOptimize(from.get<int>());
   }
+  const auto a1 = forksafe::mp::internal::SharedArena::Get().stats();
+  state.counters["large_reuse"] =
+      benchmark::Counter(static_cast<double>(a1.large_segments_reused - a0.large_segments_reused),
+                         benchmark::Counter::kAvgIterations);
   to.put(forksafe::device::Tensor::Empty({0}, forksafe::device::DType::kFloat32,
                                          forksafe::device::kCPU));
   p.join(10.0);
@@ -223,6 +233,36 @@ BENCHMARK(BM_FreshTensorSend)
     ->Args({4 << 10, 0})
     ->Args({1 << 20, 1})
     ->Args({1 << 20, 0})
+    ->Args({64 << 20, 1})
+    ->Args({64 << 20, 0})
+    ->UseRealTime()
+    ->MinTime(0.5)
+    ->Repetitions(3);
+
+void BM_BornSharedSend(benchmark::State& state) {
+  const int64_t n = state.range(0) / 4;
+  Queue to, from;
+  Process p(ProcessOptions{"", false, "fork"}, &TensorAck, to, from);
+  p.start();
+  for (auto _ : state) {
+    forksafe::device::Tensor t;
+    {
+      BornSharedScope born;
+      t = forksafe::device::Tensor::Empty({n}, forksafe::device::DType::kFloat32,
+                                          forksafe::device::kCPU);
+    }
+    to.put(t);  // already shared: sends the handle
+    benchmark::DoNotOptimize(from.get<int>());
+  }
+  to.put(forksafe::device::Tensor::Empty({0}, forksafe::device::DType::kFloat32,
+                                         forksafe::device::kCPU));
+  p.join(10.0);
+  state.SetLabel(std::to_string(state.range(0) / 1024) + " KiB born shared");
+}
+BENCHMARK(BM_BornSharedSend)
+    ->Arg(4 << 10)
+    ->Arg(1 << 20)
+    ->Arg(64 << 20)
     ->UseRealTime()
     ->MinTime(0.5)
     ->Repetitions(3);
@@ -282,26 +322,55 @@ BENCHMARK(BM_PoolMapTensors)
     ->MinTime(1.0)
     ->Repetitions(3);
 
+// The echo of a peer that takes a turn before it replies: it works (spinning on the clock) for
+// kTurnUs after each get, as a Python peer or a producer filling a large tensor does.
+constexpr double kTurnUs = 150;
+void QueueEchoAfterATurn(Queue in, Queue out) {
+  for (;;) {
+    std::string s = in.get<std::string>();
+    if (s.empty()) return;
+    const auto until =
+        std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(kTurnUs);
+    while (std::chrono::steady_clock::now() < until) {
+    }
+    out.put(s);
+  }
+}
+FORKSAFE_ENTRY_POINT(QueueEchoAfterATurn);
+
+// Times this thread went to sleep (voluntary context switches) so far.
+long VoluntarySwitches() {
+  rusage ru{};
+  getrusage(RUSAGE_THREAD, &ru);
+  return ru.ru_nvcsw;
+}
+
 // The headline, paired: every iteration makes one bare ping-pong, one Queue round trip of 64 bytes
 // and one round trip of an already-shared tensor of each size, back to back, each timed on its
 // own. On a shared, noisy machine the cost of waking the other process swings by 10x from one
 // second to the next (measured here: 6 us to 80 us for the same bare ping-pong), so only ratios
 // taken in the same iteration mean anything. Counters: mean microseconds of each, and the ratios
-// to the bare ping-pong.
+// to the bare ping-pong. Then a Queue round trip with a peer that takes a kTurnUs turn before it
+// replies: `turn_extra_us` (its time beyond the turn) and `turn_sleeps` (how often this getter
+// went to sleep per round trip: its spin, mp/internal/queue_spin.h, learns to outlast the turn).
 void BM_PairedRoundTrips(benchmark::State& state) {
   int sock = -1;
   const pid_t bare_pid = StartBareEcho(&sock);
   Queue q_to, q_from, t_to, t_from;
   Process qecho(ProcessOptions{"", false, "fork"}, &QueueEcho, q_to, q_from);
   Process techo(ProcessOptions{"", false, "fork"}, &TensorEcho, t_to, t_from);
+  Queue turn_to, turn_from;
+  Process turn_echo(ProcessOptions{"", false, "fork"}, &QueueEchoAfterATurn, turn_to, turn_from);
   qecho.start();
   techo.start();
+  turn_echo.start();
   std::vector<forksafe::device::Tensor> tensors = {forksafe::mp::SharedEmpty({1024}),
                                                    forksafe::mp::SharedEmpty({256 * 1024}),
                                                    forksafe::mp::SharedEmpty({16 * 1024 * 1024})};
   const std::string msg(kMsg, 'x');
   using Clock = std::chrono::steady_clock;
-  double t_bare = 0, t_queue = 0, t_tensor[3] = {0, 0, 0};
+  double t_bare = 0, t_queue = 0, t_tensor[3] = {0, 0, 0}, t_turn = 0;
+  long turn_sleeps = 0;
   char buf[kMsg] = {};
   for (auto _ : state) {
     auto a = Clock::now();
@@ -318,6 +387,12 @@ void BM_PairedRoundTrips(benchmark::State& state) {
       benchmark::DoNotOptimize(t_from.get<forksafe::device::Tensor>());
       t_tensor[k] += std::chrono::duration<double, std::micro>(Clock::now() - b).count();
     }
+    const long sw = VoluntarySwitches();
+    b = Clock::now();
+    turn_to.put(msg);
+    benchmark::DoNotOptimize(turn_from.get<std::string>());
+    t_turn += std::chrono::duration<double, std::micro>(Clock::now() - b).count() - kTurnUs;
+    turn_sleeps += VoluntarySwitches() - sw;
   }
   const double n = static_cast<double>(state.iterations());
   state.counters["bare_us"] = t_bare / n;
@@ -327,11 +402,15 @@ void BM_PairedRoundTrips(benchmark::State& state) {
   state.counters["t64M_ratio"] = t_tensor[2] / t_bare;
   state.counters["t4K_us"] = t_tensor[0] / n;
   state.counters["t64M_us"] = t_tensor[2] / n;
+  state.counters["turn_extra_us"] = t_turn / n;
+  state.counters["turn_sleeps"] = static_cast<double>(turn_sleeps) / n;
   q_to.put(std::string());
+  turn_to.put(std::string());
   t_to.put(forksafe::device::Tensor::Empty({0}, forksafe::device::DType::kFloat32,
                                            forksafe::device::kCPU));
   qecho.join(10.0);
   techo.join(10.0);
+  turn_echo.join(10.0);
   close(sock);
   waitpid(bare_pid, nullptr, 0);
 }
@@ -386,7 +465,8 @@ int main(int argc, char** argv) {
   MedianReporter r;
   benchmark::RunSpecifiedBenchmarks(&r);
   printf("\npaired (median of 5 repetitions; each ratio measured within the same iterations):\n");
-  for (const char* c : {"bare_us", "queue_ratio", "t4K_ratio", "t1M_ratio", "t64M_ratio"}) {
+  for (const char* c : {"bare_us", "queue_ratio", "t4K_ratio", "t1M_ratio", "t64M_ratio",
+                        "turn_extra_us", "turn_sleeps"}) {
     printf("  %-12s %8.2f\n", c, r.counters_[std::string("BM_PairedRoundTrips ") + c]);
   }
   printf("  targets: queue_ratio <= 2; tensor ratios <= 3 and within 2x of each other\n");

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "forksafe/device/internal/storage_impl.h"
 #include "forksafe/device/registry.h"
+#include "forksafe/device/storage_sharing.h"
 #include "forksafe/runtime/error.h"
 
 namespace forksafe::device {
@@ -51,6 +52,15 @@ Storage::Storage(std::shared_ptr<StorageImpl> impl) : impl_(std::move(impl)) {}
 Storage Storage::Allocate(Device device, size_t nbytes) {
   CheckDevice(device);
   if (nbytes == 0) return Storage(std::make_shared<StorageImpl>(device, nullptr, 0, nullptr));
+  if (device.is_cpu()) {
+    // Born shared when the sharing layer says so (device/storage_sharing.h).
+    const StorageSharing* sharing = GetStorageSharing();
+    Storage shared;
+    if (sharing != nullptr && sharing->allocate_host != nullptr &&
+        sharing->allocate_host(nbytes, &shared)) {
+      return shared;
+    }
+  }
   void* p = device::Allocate(device, nbytes);
   std::function<void(void*)> release = [device](void* ptr) {
     Backend& b = GetBackend(device.type);

@@ -4,7 +4,9 @@
 //   `Storage` is a handle to one block of memory on one device. Copies of the handle share the
 //   block; the block is released when the last handle goes. A Storage is made in one of two ways:
 //   - Storage::Allocate(device, nbytes) allocates through the backend registry and frees through
-//     it (device/registry.h);
+//     it (device/registry.h); on the CPU, a sharing layer may serve it from shared memory instead
+//     (born-shared storages: StorageSharing::allocate_host in device/storage_sharing.h, mp/'s
+//     opt-in mp::set_tensors_born_shared), and is_shared() is then true from the start;
 //   - Storage::FromExternal(device, data, nbytes, deleter) wraps memory that someone else
 //     allocated; `deleter(data)` runs when the last handle goes. This is how DLPack imports
 //     (device/dlpack.h) and memory mapped from shared segments (mp/) become tensors.
@@ -25,7 +27,8 @@
 //   A Storage is plain process memory bookkeeping and is inherited by a forked child like any
 //   other object. Whether its *memory* is usable there is the device's business:
 //   - CPU memory is readable in the child (copy-on-write: the child's writes are its own unless
-//     the memory is a shared segment from mp/);
+//     the memory is a shared segment from mp/, born-shared storages included: there a child's
+//     writes land in the parent's memory);
 //   - memory of a backend that is poisoned in the child (the simulated accelerator, CUDA) cannot be
 //     touched there (operations throw kForkPoisoned). Dropping the last handle to such a block in
 //     the child does not throw: the block belongs to the parent's device context, so the child
@@ -65,10 +68,11 @@ class Storage {
   Storage();
 
   /// Allocates `nbytes` on `device` through the backend registry; freed through the registry when
-  /// the last handle goes. The memory is uninitialized. `nbytes` == 0 allocates nothing (data()
-  /// is null). Throws kInvalidArgument/kUnavailable for a device that does not exist,
-  /// kResourceExhausted when memory runs out, kForkPoisoned in a forked child for a poisoned
-  /// backend.
+  /// the last handle goes. The memory is uninitialized. On the CPU the installed sharing layer may
+  /// place it in shared memory instead (see the banner; then is_shared() is true). `nbytes` == 0
+  /// allocates nothing (data() is null). Throws kInvalidArgument/kUnavailable for a device that
+  /// does not exist, kResourceExhausted when memory runs out, kForkPoisoned in a forked child for a
+  /// poisoned backend.
   static Storage Allocate(Device device, size_t nbytes);
 
   /// Wraps `nbytes` of existing memory at `data` on `device`. `deleter(data)` runs exactly once,

@@ -8,6 +8,9 @@
 //   below mp/'s sharing (mp/process.h's fork path) needs only device/:
 //   - StorageSharing: the callbacks the sharing layer provides, installed once per process with
 //     InstallStorageSharing() and reached through GetStorageSharing() / ShareHostStorage().
+//   - Born-shared CPU storages: Storage::Allocate on the CPU asks the installed layer's
+//     allocate_host first, and uses the backend's private memory only when it declines (the layer
+//     decides: mp/'s opt-in, mp::set_tensors_born_shared in mp/sharing.h).
 //   - What the device layer lets the sharing layer do to a storage beyond its public API:
 //     WeakStorage (an identity table that does not keep blocks alive), MoveStorageData (move a
 //     block's contents into shared memory in place), WrapStorageRelease (wrap a block's release,
@@ -57,6 +60,12 @@ struct StorageSharing {
   /// tensor over it sees the move); a no-op when it is shared already. Throws runtime::Error
   /// (kResourceExhausted when shared memory runs out).
   void (*share_host_storage)(const Storage& storage) = nullptr;
+  /// Optional (null: never). Called by Storage::Allocate for every CPU storage of nbytes > 0:
+  /// returns false to let the CPU backend allocate private memory, or true with `*out` set to a
+  /// storage of `nbytes` bytes (uninitialized) already in shared memory (is_shared() true). Throws
+  /// runtime::Error (kResourceExhausted when shared memory runs out); must not call
+  /// Storage::Allocate on the CPU itself.
+  bool (*allocate_host)(size_t nbytes, Storage* out) = nullptr;
 };
 
 /// Installs the process's sharing layer (see the banner: mp/ only). Throws kAlreadyExists when a

@@ -29,6 +29,9 @@ namespace {
 
 std::atomic<int> g_strategy{0};  // 0 file_descriptor, 1 file_system
 std::atomic<bool> g_cache{true};
+std::atomic<bool> g_born_shared{false};
+// This thread's BornSharedScope: -1 none, else its setting (overrides g_born_shared).
+thread_local int t_born_scope = -1;
 
 // What mp/ keeps in a shared Storage's sharing_context(): the block it lives in.
 // For a device storage, `block` is the small shared block that counts its holders in every
@@ -94,6 +97,26 @@ std::shared_ptr<SharingContext> ShareStorage(const device::Storage& s) {
   s.set_shared(true);
   Remember(block, s);
   return ctx;
+}
+
+// A new CPU storage of `bytes` in a shared block (SharedEmpty, born-shared storages).
+device::Storage NewSharedStorage(size_t bytes) {
+  auto block = internal::SharedArena::Get().Allocate(bytes, Kind(), g_cache.load());
+  device::Storage s = device::Storage::FromExternal(
+      device::kCPU, block->data(), bytes, [keep = block](void*) mutable { keep.reset(); });
+  s.set_sharing_context(std::make_shared<SharingContext>(SharingContext{block}));
+  s.set_shared(true);
+  Remember(block, s);
+  return s;
+}
+
+// The device layer's born-shared hook (StorageSharing::allocate_host): declines unless the
+// opt-in is on for this thread.
+bool AllocateBornShared(size_t nbytes, device::Storage* out) {
+  const int scope = t_born_scope;
+  if (scope == 0 || (scope < 0 && !g_born_shared.load(std::memory_order_relaxed))) return false;
+  *out = NewSharedStorage(nbytes);
+  return true;
 }
 
 // ---- Accelerator tensors ------------------------------------------------------------------------
@@ -302,7 +325,8 @@ device::Storage ImportDeviceStorage(internal::TensorHandle& h,
 }
 
 // mp/'s side of the device layer's extension point (device/storage_sharing.h).
-const device::StorageSharing kSharing{"mp", [](const device::Storage& s) { ShareStorage(s); }};
+const device::StorageSharing kSharing{"mp", [](const device::Storage& s) { ShareStorage(s); },
+                                      &AllocateBornShared};
 
 }  // namespace
 
@@ -354,13 +378,28 @@ device::Tensor SharedEmpty(const std::vector<int64_t>& shape, device::DType dtyp
     n *= d;
   }
   const size_t bytes = static_cast<size_t>(n) * device::DTypeSize(dtype);
-  auto block = internal::SharedArena::Get().Allocate(bytes, Kind(), g_cache.load());
-  device::Storage s = device::Storage::FromExternal(
-      device::kCPU, block->data(), bytes, [keep = block](void*) mutable { keep.reset(); });
-  s.set_sharing_context(std::make_shared<SharingContext>(SharingContext{block}));
-  s.set_shared(true);
-  Remember(block, s);
-  return device::Tensor::FromStorage(s, dtype, shape);
+  return device::Tensor::FromStorage(NewSharedStorage(bytes), dtype, shape);
+}
+
+void set_tensors_born_shared(bool enabled) {
+  internal::InstallStorageSharing();
+  g_born_shared.store(enabled, std::memory_order_relaxed);
+}
+
+bool tensors_born_shared() {
+  const int scope = t_born_scope;
+  return scope >= 0 ? scope != 0 : g_born_shared.load(std::memory_order_relaxed);
+}
+
+BornSharedScope::BornSharedScope(bool enabled) : previous_(t_born_scope) {
+  internal::InstallStorageSharing();
+  t_born_scope = enabled ? 1 : 0;
+}
+
+BornSharedScope::~BornSharedScope() { t_born_scope = previous_; }
+
+void set_sharing_large_cache_limit(size_t bytes) {
+  internal::SharedArena::Get().SetLargeCacheLimit(bytes);
 }
 
 namespace internal {

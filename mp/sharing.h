@@ -11,12 +11,23 @@
 //     bytes. The header that carries the tensor is enough (mp/codec.h declares the hooks; this
 //     component defines them). The receiver maps the segment once; the same storage sent twice
 //     arrives as views of one storage.
+//   - Born-shared CPU tensors (opt-in, beyond torch): set_tensors_born_shared(true) for the whole
+//     process, or a BornSharedScope on one thread, makes every new CPU storage (Tensor::Empty,
+//     Zeros, Full, the results of operations: whatever goes through device::Storage::Allocate)
+//     come from the shared arena, as SharedEmpty does: is_shared() from birth, and share_memory_()
+//     or a send moves no bytes. Off by default; see its Hazards below.
 //
 // Strategies
 //   file_descriptor: segments are anonymous memory files (memfd, mode 0600) passed with
 //     SCM_RIGHTS. Tensors are carved from a caching arena of a few large segments, and a receiver
 //     keeps one descriptor per segment, not per tensor: 100,000 shared tensors live under a
 //     1,024-descriptor limit (PyTorch keeps one per storage and hits "Too many open files").
+//     A tensor over 16 MiB gets a segment of its own; when it is freed its creator keeps the
+//     segment (mapped, warm) on a bounded cache for the next large tensor, reused only once no
+//     process holds it: at most min(256 MiB or set_sharing_large_cache_limit, a quarter of the
+//     memory the system could give); dropped by runtime::ReleaseCachedResources() and whenever an
+//     allocation finds memory short. A fresh 64 MiB tensor's send then costs a copy into warm
+//     memory, not a new memory file, 16,384 page faults and a new mapping in the receiver.
 //   file_system: segments are named POSIX shm objects
 //     ("/forksafe_<pid>_<128 bits from getrandom()>", mode 0600) passed by name; the creator
 //     unlinks a segment once no reference to it is left anywhere.
@@ -54,7 +65,28 @@
 //   - A child started with the fork method cannot touch device tensors of a parent that used the
 //     device (kForkPoisoned); pass them to spawn or forkserver children.
 //
+// Born-shared tensors: trade-offs (read before turning it on)
+//   - Memory: counted as shared memory (memfd, or /dev/shm under file_system, whose size is often
+//     small in containers: running out is Error(kResourceExhausted), with no fallback to private
+//     memory), in the cgroup like any memory. Small tensors are rounded up to a power of two (up
+//     to 2x their size) and each allocation takes the arena's lock and registers the block: worth
+//     it for tensors that will be sent, not for a program's every temporary (use a scope around the
+//     code that makes them: a data-loading worker's batch assembly).
+//   - Freed blocks are reused by the arena once no process holds them, as for share_memory_().
+//   - No environment variable turns it on: mp/ installs nothing before its first use (no static
+//     initializer), so a setting read at start could not reach tensors made before it; call
+//     set_tensors_born_shared(true) at the top of main instead.
+//
 // Hazards
+//   - Born-shared tensors and fork: a forked child maps the same memory (MAP_SHARED), so a
+//     child's write into an inherited born-shared tensor changes the PARENT's tensor, unlike
+//     private memory, which fork copies on write. Accepted for the opt-in (it is what
+//     share_memory_() tensors always did, and what sending a tensor to a worker means), and
+//     written here: a forked child must treat inherited born-shared tensors as read-only, or
+//     clone them (their clone, made with the setting off, is private). And, as for every shared
+//     block inherited through fork (mp/internal/shared_arena.h, "Blocks across fork"), the child
+//     holds no reference of its own: once the parent frees the tensor, its memory may be reused
+//     under the child.
 //   - share_memory_() changes where the storage's data lives: raw pointers taken earlier
 //     (data_ptr()) point at the old private memory. Take pointers after sharing.
 //   - Writes to a shared tensor are seen by every process that holds it; synchronize them (Lock,
@@ -90,8 +122,35 @@ device::Tensor SharedEmpty(const std::vector<int64_t>& shape,
                            device::DType dtype = device::DType::kFloat32);
 
 /// Whether the shared-memory arena serves fresh tensors from its cache (default true); off, every
-/// storage gets a segment of its own (for measuring what the cache saves).
+/// storage gets a segment of its own (for measuring what the cache saves), and large segments are
+/// neither reused nor kept.
 void set_sharing_cache_enabled(bool enabled);
+
+/// Bounds the cache of large (over 16 MiB, file_descriptor) segments kept for reuse, in bytes
+/// (default 256 MiB; 0 turns it off), evicting what is over it now. The system's room bounds it
+/// further (a quarter of what it could give; see the banner).
+void set_sharing_large_cache_limit(size_t bytes);
+
+/// Born-shared CPU tensors for the whole process (default false): every new CPU storage is
+/// allocated in shared memory (see the banner's trade-offs and Hazards). Threads inside a
+/// BornSharedScope follow their scope instead. Inherited by forked children.
+void set_tensors_born_shared(bool enabled);
+
+/// Whether a CPU storage allocated now, on this thread, is born shared.
+bool tensors_born_shared();
+
+/// Born-shared CPU tensors (or not, with `enabled` false) for this thread while the scope lives,
+/// whatever the process-wide setting; scopes nest, each restoring the setting it found.
+class BornSharedScope {
+ public:
+  explicit BornSharedScope(bool enabled = true);
+  ~BornSharedScope();
+  BornSharedScope(const BornSharedScope&) = delete;
+  BornSharedScope& operator=(const BornSharedScope&) = delete;
+
+ private:
+  int previous_;
+};
 
 namespace internal {
 /// The wire form of accelerator memory (device::IpcMemoryHandle) and of the producer's event

@@ -210,6 +210,12 @@ def main():
         mc = fl("floor_memcpy", size)
         row("2", "Queue send, fresh tensor, %s (unpinned)" % size, "w2_fresh", size,
             (pingpong + mc) if pingpong and mc else None, "ping-pong + memcpy")
+    for size in SIZES:
+        # Creation + fill + send + ack (forksafe: born shared, so the send moves no bytes); the
+        # fill writes the bytes once, as the floor's memcpy does.
+        mc = fl("floor_memcpy", size)
+        row("2", "create + fill + send, %s (unpinned)" % size, "w2_create_send", size,
+            (pingpong + mc) if pingpong and mc else None, "ping-pong + memcpy")
     for p in ["2000 x 4 KiB", "500 x 1 MiB"]:
         ser = t.med("forksafe", "bd_sum_serial", p)
         row("3", "Pool(2).map, sum of each of %s" % p, "w3_poolmap", p,
@@ -413,6 +419,7 @@ def main():
 PY_ROWS = (
     [("Queue round trip, shared tensor, %s (unpinned)" % z, "w1_roundtrip", z, z) for z in SIZES]
     + [("Queue send, fresh tensor, %s (unpinned)" % z, "w2_fresh", z, z) for z in SIZES]
+    + [("create + fill + send, %s (unpinned)" % z, "w2_create_send", z, z) for z in SIZES]
     + [("Pool(2).map, sum of each of %s" % p, "w3_poolmap", p, p)
        for p in ("2000 x 4 KiB", "500 x 1 MiB")]
     + [("spawn(nprocs=2), start=spawn, end to end", "w4_spawn", "start=spawn", "start=spawn"),

@@ -105,6 +105,31 @@ def fresh_send(out, plan, nbytes):
     out.samples("w2_fresh", peerlib.size_name(nbytes), nbytes, plan, samples)
 
 
+def create_send(out, plan, nbytes):
+    """Workload 2 with creation in the timed part: torch.full + put + the child's ack (forksafe's
+    C++ program makes the tensor born shared; here, on either system, it is a normal tensor)."""
+    n = nbytes // 4
+    ctx = tmp.get_context("fork")
+    to, frm = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=tensor_ack, args=(to, frm))
+    p.start()
+
+    def it(i):
+        t0 = now_us()
+        t = torch.full((n,), float(i))
+        to.put(t)
+        ack = frm.get()
+        us = now_us() - t0
+        if ack != 2.0 * i:
+            raise RuntimeError("create + send: wrong acknowledgement")
+        return us
+
+    samples = peerlib.measure(plan, it)
+    to.put(None)
+    p.join(10)
+    out.samples("w2_create_send", peerlib.size_name(nbytes), nbytes, plan, samples)
+
+
 # ---- 3. Pool(2).map of a reduction over tensors ---------------------------------------------------
 
 def tensor_sum(t):
@@ -321,6 +346,9 @@ def main():
         for b in peerlib.SIZES:
             out.guard("w2_fresh", peerlib.size_name(b),
                       lambda: fresh_send(out, plans["w2_fresh"], b))
+        for b in peerlib.SIZES:
+            out.guard("w2_create_send", peerlib.size_name(b),
+                      lambda: create_send(out, plans["w2_fresh"], b))
     if args.wants("w3"):
         out.guard("w3_poolmap", "2000 x 4 KiB",
                   lambda: pool_map(out, plans["w3_poolmap"], 2000, 4 * peerlib.KIB))

@@ -39,6 +39,12 @@ constexpr size_t kAlign = 64;
 constexpr size_t kMinSegment = size_t{4} << 20;
 constexpr size_t kMaxSegment = size_t{64} << 20;
 constexpr size_t kDedicatedAbove = size_t{16} << 20;  // bigger blocks get a segment of their own
+// The large-segment cache (see the header's "Large segments"): at most this many bytes by default,
+// never more than kLargeCacheShare of the memory the system could give with the cache empty, and a
+// cached segment serves a request only if it is at most kLargeReuseSlack times the request's size.
+constexpr size_t kDefaultLargeCacheBytes = size_t{256} << 20;
+constexpr size_t kLargeCacheShare = 4;  // a quarter
+constexpr size_t kLargeReuseSlack = 2;
 
 struct BlockHeader {
   uint32_t magic;
@@ -91,7 +97,11 @@ class Segment {
   bool only_dead_refs = false;
   // A dedicated segment of this process's that is on the arena's `lingering` list.
   bool lingering = false;
-  bool dedicated = false;  // holds one block, never reused (set where it was created)
+  bool dedicated = false;  // holds one block (set where it was created)
+  // A dedicated memfd segment that may go on the large-segment cache when its block is freed here
+  // (set where it was created, never changed); `in_large_cache` while it is there (under mu).
+  bool cacheable = false;
+  bool in_large_cache = false;
 
   ~Segment() {
     // A named segment is unlinked by its creator when no reference to any of its blocks is left
@@ -136,6 +146,11 @@ struct SharedArena::Impl {
   // each time.
   std::deque<std::shared_ptr<Segment>> recent FORKSAFE_GUARDED_BY(mu);
   size_t next_segment FORKSAFE_GUARDED_BY(mu) = kMinSegment;
+  // Dedicated memfd segments whose block was freed here, kept mapped and faulted for the next
+  // large block, oldest first ("Large segments" in the header); their bytes, and the bound.
+  std::deque<std::shared_ptr<Segment>> large_cache FORKSAFE_GUARDED_BY(mu);
+  size_t large_cached_bytes FORKSAFE_GUARDED_BY(mu) = 0;
+  size_t large_cache_limit FORKSAFE_GUARDED_BY(mu) = kDefaultLargeCacheBytes;
   ArenaStats stats FORKSAFE_GUARDED_BY(mu);
 };
 
@@ -260,6 +275,10 @@ SharedArena::SharedArena() : impl_(new Impl()) {
     new (&impl_->pending) Pending();
     new (&impl_->pending_set) PendingSet();
     new (&impl_->lingering) Segments();  // the parent's to unlink, not ours
+    // The parent's cached large segments stay the parent's (never handed out here: OwnedHere()
+    // is false for them too); abandoned like the lists above.
+    new (&impl_->large_cache) decltype(impl_->large_cache)();
+    impl_->large_cached_bytes = 0;
     impl_->mu.Unlock();
   };
   runtime::AtForkRegistry::Get().Register(&tag, std::move(h));
@@ -344,6 +363,67 @@ void TakeFinishedLingering(SharedArena::Impl& a, std::vector<std::shared_ptr<Seg
   }
 }
 
+// Moves every segment of the large-segment cache to `out` (dropped by the caller, outside the lock
+// where it can: unmapped, the descriptor closed; the memory goes back once no other process maps
+// it).
+void TakeLargeCache(SharedArena::Impl& a, std::vector<std::shared_ptr<Segment>>& out)
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
+  for (auto& seg : a.large_cache) {
+    seg->in_large_cache = false;
+    out.push_back(std::move(seg));
+  }
+  a.large_cache.clear();
+  a.large_cached_bytes = 0;
+}
+
+// Evicts the oldest cached large segments into `out` until the cache holds at most `cap` bytes.
+void TrimLargeCache(SharedArena::Impl& a, size_t cap, std::vector<std::shared_ptr<Segment>>& out)
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
+  while (!a.large_cache.empty() && a.large_cached_bytes > cap) {
+    std::shared_ptr<Segment> seg = std::move(a.large_cache.front());
+    a.large_cache.pop_front();
+    a.large_cached_bytes -= seg->size;
+    seg->in_large_cache = false;
+    out.push_back(std::move(seg));
+  }
+}
+
+// The smallest cached large segment that can hold a block of `bytes` without being more than
+// kLargeReuseSlack times the segment it would need, and that no process holds any block of (its
+// shared count is 0: nothing held, nothing in flight); taken off the cache. Null if none.
+std::shared_ptr<Segment> TakeCachedLarge(SharedArena::Impl& a, size_t bytes, SegmentKind kind)
+    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(a.mu) {
+  if (a.large_cache.empty() || bytes > a.large_cache_limit) return nullptr;  // no overflow below
+  const size_t need = kHeaderBytes + kBlockHeader + bytes;
+  auto best = a.large_cache.end();
+  for (auto it = a.large_cache.begin(); it != a.large_cache.end(); ++it) {
+    const Segment& s = **it;
+    if (s.kind != kind || s.size < need || s.size / kLargeReuseSlack > need) continue;
+    if (s.header()->live_refs.load() != 0) continue;  // a receiver holds it, or it is in flight
+    if (best == a.large_cache.end() || s.size < (*best)->size) best = it;
+  }
+  if (best == a.large_cache.end()) return nullptr;
+  std::shared_ptr<Segment> seg = std::move(*best);
+  a.large_cache.erase(best);
+  a.large_cached_bytes -= seg->size;
+  seg->in_large_cache = false;
+  return seg;
+}
+
+// What the system could still give to shared memory now (the tightest bound of
+// CheckMemoryAvailable's kShared), or 0 when it cannot be told. Read outside the arena's lock.
+size_t SharedMemoryRoom() noexcept {
+  try {
+    std::vector<runtime::internal::MemoryLimit> limits =
+        runtime::internal::MemoryLimits(runtime::internal::MemoryUse::kShared);
+    uint64_t room = UINT64_MAX;
+    for (const auto& l : limits) room = std::min(room, l.bytes);
+    return static_cast<size_t>(std::min<uint64_t>(room, SIZE_MAX));
+  } catch (...) {
+    return 0;
+  }
+}
+
 // CreateSegment(size), and when memory or /dev/shm is short: give back what the cache holds
 // (segments whose blocks are all free, or held only by dead queues; the scan of /proc for those
 // runs with the lock released), start again from the smallest segment size, and try once more
@@ -371,6 +451,7 @@ std::shared_ptr<Segment> CreateWithRecovery(SharedArena::Impl& a, size_t& size, 
     }
     std::vector<std::shared_ptr<Segment>> unused =
         TakeUnusedSegments(a, candidates, scan ? &*scan : nullptr);
+    TakeLargeCache(a, unused);
     candidates.clear();
     unused.clear();  // unmapped (and unlinked) now: the room comes back before the retry
     a.next_segment = kMinSegment;
@@ -382,6 +463,25 @@ std::shared_ptr<Segment> CreateWithRecovery(SharedArena::Impl& a, size_t& size, 
 }  // namespace
 
 std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kind, bool cached) {
+  // A large block from a cached segment first: it needs no new memory, so no check of the room.
+  if (cached && kind == SegmentKind::kMemfd && bytes > kDedicatedAbove) {
+    Impl& a = *impl_;
+    runtime::internal::MutexLock lk(&a.mu);
+    if (std::shared_ptr<Segment> seg = TakeCachedLarge(a, bytes, kind)) {
+      const uint64_t off = kHeaderBytes + kBlockHeader;
+      BlockHeader* b = seg->block(off);
+      b->magic = kBlockMagic;  // ours, but in memory that other processes could write
+      b->size = seg->size - off;
+      b->refs.store(1);
+      seg->header()->live_refs.fetch_add(1);
+      seg->only_dead_refs = false;
+      ++seg->live_blocks;
+      ++a.stats.blocks_allocated;
+      ++a.stats.blocks_reused;
+      ++a.stats.large_segments_reused;
+      return std::shared_ptr<SharedBlock>(new SharedBlock(seg, off, seg->base + off, bytes, true));
+    }
+  }
   // Before any arithmetic on `bytes` and before anything is reserved: more than the system can
   // give is kResourceExhausted now, not an OOM kill while fallocate fills memory.
   // The arena's own cache counts against what is free: when the request does not fit, give the
@@ -474,6 +574,9 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
       kHeaderBytes + kBlockHeader + std::max<size_t>(bytes, 1), 4096, "shared memory");
   auto seg = CreateWithRecovery(a, seg_size, seg_size, kind, kSegmentDedicated);
   seg->dedicated = true;
+  // Only memfd segments are cached: a named one is unlinked by whichever process drops its last
+  // reference (~SharedBlock), so its name could vanish under a reuse.
+  seg->cacheable = cached && kind == SegmentKind::kMemfd;
   ++a.stats.segments_created;
   a.stats.bytes_reserved += seg_size;
   a.imported[SegmentKey(seg->kind, seg->id)] = seg;  // so that it is found when it comes back
@@ -482,8 +585,8 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
   BlockHeader* b = seg->block(off);
   b->magic = kBlockMagic;
   b->size = seg_size - off;
-  // Not kept in `owned`: the segment goes away with its last block (its name with the last
-  // reference anywhere; see ~SharedBlock).
+  // Not kept in `owned`: the segment goes away with its last block here (its name with the last
+  // reference anywhere; see ~SharedBlock), or onto the large-segment cache (memfd).
   return make(seg, off);
 }
 
@@ -616,6 +719,7 @@ void SharedArena::EmptyCache() {
     runtime::internal::MutexLock lk(&impl_->mu);
     unused = TakeUnusedSegments(*impl_, candidates, scan ? &*scan : nullptr);
     if (!unused.empty()) impl_->next_segment = kMinSegment;
+    TakeLargeCache(*impl_, unused);
   }
   // Unmapped (and unlinked) here, outside the lock.
 }
@@ -635,7 +739,20 @@ ArenaStats SharedArena::stats() const {
   ArenaStats s = impl_->stats;
   s.live_segments = 0;
   for (auto& [k, w] : impl_->imported) s.live_segments += !w.expired();
+  s.large_cache_bytes = impl_->large_cached_bytes;
   return s;
+}
+
+void SharedArena::SetLargeCacheLimit(size_t bytes) {
+  std::vector<std::shared_ptr<Segment>> evicted;  // dropped after the lock is released
+  runtime::internal::MutexLock lk(&impl_->mu);
+  impl_->large_cache_limit = bytes;
+  TrimLargeCache(*impl_, bytes, evicted);
+}
+
+size_t SharedArena::LargeCacheLimit() const {
+  runtime::internal::MutexLock lk(&impl_->mu);
+  return impl_->large_cache_limit;
 }
 
 SharedBlock::SharedBlock(std::shared_ptr<Segment> seg, uint64_t offset, void* data, size_t size,
@@ -662,14 +779,31 @@ SharedBlock::~SharedBlock() {
     shm_unlink(seg_->name.c_str());
   }
   if (!seg_->OwnedHere()) return;  // only the creator's allocator reuses blocks
+  // A cacheable segment's block going away here: how much the system could still give decides how
+  // much the large-segment cache may keep (read before the lock: a few small reads of /proc).
+  const size_t room = seg_->cacheable && allocated_here_ ? SharedMemoryRoom() : 0;
   SharedArena::Impl& a = *SharedArena::Get().impl_;
   std::vector<std::shared_ptr<Segment>> finished;  // unmapped after the lock is released
   runtime::internal::MutexLock lk(&a.mu);
   if (allocated_here_) --seg_->live_blocks;
   if (dedicated) {
+    TakeFinishedLingering(a, finished);
+    if (seg_->cacheable && allocated_here_ && seg_->live_blocks == 0 && !seg_->in_large_cache) {
+      // Kept mapped and faulted for the next large block (reused once its shared count is 0),
+      // within the cap: the limit, and a quarter of what the system could give without the cache.
+      const size_t with = a.large_cached_bytes + seg_->size;
+      const size_t cap =
+          std::min(a.large_cache_limit, room / kLargeCacheShare + with / kLargeCacheShare);
+      if (seg_->size <= cap) {
+        TrimLargeCache(a, cap - seg_->size, finished);
+        seg_->in_large_cache = true;
+        a.large_cached_bytes += seg_->size;
+        a.large_cache.push_back(seg_);
+      }
+      return;
+    }
     // The creator's last block is gone but references remain elsewhere: keep the segment on the
     // lingering list so that EmptyCache finds it if only dead queues hold it.
-    TakeFinishedLingering(a, finished);
     if (seg_left > 0 && seg_->live_blocks == 0 && seg_->kind == SegmentKind::kNamed &&
         !seg_->lingering) {
       seg_->lingering = true;

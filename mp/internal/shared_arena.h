@@ -11,12 +11,35 @@
 // references in flight (exported, not yet imported). Exporting increments it; importing adopts
 // the in-flight reference. The process that created the segment reuses a block once the count
 // drops to zero (its caching allocator keeps freed blocks by size class). A block over 16 MiB (or
-// any block with the cache off) gets a dedicated segment, never reused: whichever process drops
-// its count to zero unlinks its name (file_system), so it is never left in /dev/shm while its
-// creator lives; when the creator lets go while references remain elsewhere, it keeps the segment
-// on a list that EmptyCache checks for references held only by dead queues. The segment's memory
-// goes back to the kernel when it is unlinked (or a memfd) and every process has unmapped it and
-// closed its descriptors.
+// any block with the cache off) gets a dedicated segment: for file_system, never reused:
+// whichever process drops its count to zero unlinks its name, so it is never left in /dev/shm
+// while its creator lives; when the creator lets go while references remain elsewhere, it keeps
+// the segment on a list that EmptyCache checks for references held only by dead queues. For
+// file_descriptor, see "Large segments" below. The segment's memory goes back to the kernel when
+// it is unlinked (or a memfd) and every process has unmapped it and closed its descriptors.
+//
+// Large segments (file_descriptor only): when the creator's block of a dedicated memfd segment is
+// freed, the creator keeps the segment (mapped, its pages faulted in) on a bounded cache, and a
+// later large block reuses it, once its shared count is 0 (no process holds a block of it and
+// none is in flight), so that a fresh large tensor costs a copy into warm memory instead of a new
+// memfd, fallocate, 16,384 first-touch faults per 64 MiB, and a new mapping in the receiver (which
+// keeps its most recently imported segments mapped and finds a reused one by its identity,
+// validating the block as for any import). Rules:
+//   - a cached segment serves a request whose segment would be at least half its size (at most
+//     2x the memory asked for), the smallest such first; it is never handed out while held;
+//   - the cache holds at most min(limit, a quarter of what the system could give to shared memory
+//     with the cache empty: CheckMemoryAvailable's kShared bounds, cgroup room included), judged
+//     at each insertion, oldest evicted first. The limit is 256 MiB unless SetLargeCacheLimit
+//     (mp::set_sharing_large_cache_limit) says otherwise; 0 turns the cache off;
+//   - EmptyCache / ReleaseCaches (runtime::ReleaseCachedResources) drop it all, and so does
+//     Allocate when memory or /dev/shm is short (before it fails); with set_sharing_cache_enabled
+//     (false) new segments are not cached and the cache is not used;
+//   - named (file_system) segments are never cached: their name is unlinked by whichever process
+//     drops the last reference, so it could vanish under a reuse;
+//   - a forked child never allocates from its parent's cached segments (it abandons the list, and
+//     the segments are not OwnedHere() there).
+// Hazard: a receiver keeps up to 16 recently imported segments mapped; a segment the creator
+// evicted stays in memory until the receiver lets go of it (ReleaseCaches there) or maps others.
 //
 // Blocks across fork(): a SharedBlock that a forked child inherits (a copy of the parent's
 // object, made by fork itself) holds no reference of the child's: dropping it there gives nothing
@@ -137,9 +160,11 @@ struct ArenaStats {
   uint64_t segments_created = 0;
   uint64_t segments_mapped = 0;  ///< Imported from other processes.
   uint64_t blocks_allocated = 0;
-  uint64_t blocks_reused = 0;   ///< Served from the cache instead of fresh memory.
-  uint64_t bytes_reserved = 0;  ///< In segments this process created.
-  uint64_t live_segments = 0;   ///< Segments this process maps now.
+  uint64_t blocks_reused = 0;          ///< Served from the cache instead of fresh memory.
+  uint64_t bytes_reserved = 0;         ///< In segments this process created.
+  uint64_t live_segments = 0;          ///< Segments this process maps now.
+  uint64_t large_segments_reused = 0;  ///< Large blocks served by a cached dedicated segment.
+  uint64_t large_cache_bytes = 0;      ///< Bytes on the large-segment cache now.
 };
 
 /// The process-wide arena.
@@ -148,7 +173,8 @@ class SharedArena {
   static SharedArena& Get();
 
   /// A block of at least `bytes` bytes (0 allowed) of segment kind `kind`. When `cached` is
-  /// false the block gets a fresh segment of its own (for measuring what the cache saves).
+  /// false the block gets a fresh segment of its own (for measuring what the cache saves), never
+  /// one from the large-segment cache nor cached after it.
   /// When memory or /dev/shm is short, the cache is given back and the least segment that serves
   /// the request is tried before giving up. Throws kResourceExhausted (saying whether memory,
   /// /dev/shm or descriptors ran out).
@@ -160,7 +186,7 @@ class SharedArena {
 
   /// Unmaps segments of this process's cache whose blocks are all free, and those (dedicated
   /// ones included) whose only references left are in flight in queues that no process holds
-  /// (scans /proc then, with the arena's lock released).
+  /// (scans /proc then, with the arena's lock released), and drops the large-segment cache.
   void EmptyCache();
 
   /// EmptyCache(), and also lets go of the recently imported segments kept mapped for speed
@@ -169,6 +195,11 @@ class SharedArena {
   void ReleaseCaches();
 
   ArenaStats stats() const;
+
+  /// Bounds the large-segment cache ("Large segments" above) to `bytes` (0: off), evicting what is
+  /// over it now. Default 256 MiB.
+  void SetLargeCacheLimit(size_t bytes);
+  size_t LargeCacheLimit() const;
 
   /// Prefix of named segments ("/forksafe_<pid>_"), for the shm manager.
   static std::string NamePrefix();
