@@ -164,8 +164,11 @@ void CreateSend(const peers::Emitter& out, const peers::Plan& plan, int64_t byte
     Tensor t;
     {
       forksafe::mp::BornSharedScope born;
-      t = Tensor::Full({n}, static_cast<double>(i));
+      t = Tensor::Empty({n}, DType::kFloat32, forksafe::device::kCPU);
     }
+    // Filled with a vectorized loop, as torch.full and np.full fill (Tensor::Full copies the value
+    // element by element, several times slower at 64 MiB).
+    std::fill_n(F32(t), n, static_cast<float>(i));
     const auto t1 = Clock::now();
     to.put(t);
     const auto t2 = Clock::now();
