@@ -8,7 +8,10 @@
 // "raw_clone" is the kernel alone (no glibc fork bookkeeping), for reference. "runtime_idle" is a
 // plain fork() with the runtime fully set up and idle: the default pool has run tasks (its workers
 // are parked), oneTBB has run a parallel algorithm, and the simulated accelerator is initialized.
-// "runtime_busy" forks while a feeder thread keeps the pool busy with short tasks.
+// "runtime_busy" forks while a feeder thread keeps the pool busy with short tasks. The paired
+// "busy ParallelFor" benchmark forks while a thread runs ParallelFor on a 1-thread pool (workload
+// 6 of bench/peers), against a bare fork in the same loop (target <= 1.5), and the next one times
+// a child's first ParallelFor on the inherited pool against one on a pool it creates (target <= 1).
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -21,6 +24,7 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "benchmark/benchmark.h"
 #include "forksafe/device/registry.h"
@@ -168,6 +172,128 @@ void BM_RuntimeForkBusyPool(benchmark::State& state) {
 }
 BENCHMARK(BM_RuntimeForkBusyPool)->UseRealTime()->MinTime(0.5)->Repetitions(5);
 
+// Workload 6 of the peers run (bench/peers/peers_forksafe.cc BusyFork): a 1-thread pool on which
+// another thread runs ParallelFor(0, 2^20, 2^16, add) in a loop, as a thread calling torch.add
+// with torch.set_num_threads(2) would; forks come from the main thread.
+class BusyParallelFor {
+ public:
+  static constexpr int64_t kN = int64_t{1} << 20;
+  BusyParallelFor()
+      : pool_(forksafe::runtime::ThreadPoolOptions{1, "intra-op", std::chrono::milliseconds(2000)}),
+        x_(kN, 1.f),
+        y_(kN, 2.f),
+        z_(kN) {
+    Add(pool_);  // the forking thread has used the pool
+    busy_ = std::thread([this] {
+      while (!stop_) {
+        Add(pool_);
+        rounds_.fetch_add(1, std::memory_order_relaxed);
+      }
+    });
+    while (rounds_.load() < 20) std::this_thread::yield();
+  }
+  ~BusyParallelFor() {
+    stop_ = true;
+    busy_.join();
+  }
+  // z = x + y on `pool`.
+  void Add(ThreadPool& pool) {
+    pool.ParallelFor(0, kN, kN / 16, [this](int64_t lo, int64_t hi) {
+      for (int64_t k = lo; k < hi; ++k) z_[k] = x_[k] + y_[k];
+    });
+  }
+  ThreadPool& pool() { return pool_; }
+
+ private:
+  ThreadPool pool_;
+  std::vector<float> x_, y_, z_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> rounds_{0};
+  std::thread busy_;
+};
+
+// The issue-19 headline: each iteration makes one bare fork (forksafe's callbacks bypassed) and
+// one fork through the runtime, both while the pool runs ParallelFor, children exiting at once.
+// Target: ratio <= 1.5.
+void BM_PairedBareVsBusyParallelFor(benchmark::State& state) {
+  SetUpRuntime();
+  BusyParallelFor busy;
+  using Clock = std::chrono::steady_clock;
+  Clock::duration bare{}, runtime{};
+  for (auto _ : state) {
+    forksafe::runtime::internal::SetAtForkBypassForBenchmark(true);
+    auto t0 = Clock::now();
+    pid_t pid = fork();
+    if (pid == 0) _exit(0);
+    WaitOrDie(pid, state);
+    auto t1 = Clock::now();
+    forksafe::runtime::internal::SetAtForkBypassForBenchmark(false);
+    pid = fork();
+    if (pid == 0) _exit(0);
+    WaitOrDie(pid, state);
+    auto t2 = Clock::now();
+    bare += t1 - t0;
+    runtime += t2 - t1;
+  }
+  const double n = static_cast<double>(state.iterations());
+  const double bare_us = std::chrono::duration<double, std::micro>(bare).count() / n;
+  const double runtime_us = std::chrono::duration<double, std::micro>(runtime).count() / n;
+  state.counters["bare_us"] = bare_us;
+  state.counters["runtime_us"] = runtime_us;
+  state.counters["busy_ratio"] = runtime_us / bare_us;
+}
+BENCHMARK(BM_PairedBareVsBusyParallelFor)->UseRealTime()->MinTime(1.0)->Repetitions(3);
+
+// The child's first parallel region after such a fork: each iteration forks twice through the
+// runtime while the pool is busy; one child times its first ParallelFor on the inherited pool
+// (rebuilt on first use), the other on a pool it creates itself; each sends its time back over a
+// pipe. Target: ratio (inherited / fresh) <= 1.
+void BM_ChildFirstParallelForAfterBusyFork(benchmark::State& state) {
+  SetUpRuntime();
+  BusyParallelFor busy;
+  using Clock = std::chrono::steady_clock;
+  double inherited_us = 0, fresh_us = 0;
+  auto child_time = [&](bool fresh) -> double {
+    int fds[2];
+    if (pipe(fds) != 0) {
+      state.SkipWithError("pipe");
+      return 0;
+    }
+    const pid_t pid = fork();
+    if (pid == 0) {
+      close(fds[0]);
+      double us = 0;
+      if (fresh) {
+        ThreadPool pool(
+            forksafe::runtime::ThreadPoolOptions{1, "fresh", std::chrono::milliseconds(2000)});
+        const auto t0 = Clock::now();
+        busy.Add(pool);
+        us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+      } else {
+        const auto t0 = Clock::now();
+        busy.Add(busy.pool());
+        us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+      }
+      _exit(write(fds[1], &us, sizeof us) == sizeof us ? 0 : 1);
+    }
+    close(fds[1]);
+    double us = 0;
+    if (read(fds[0], &us, sizeof us) != sizeof us) state.SkipWithError("child sent no time");
+    close(fds[0]);
+    WaitOrDie(pid, state);
+    return us;
+  };
+  for (auto _ : state) {
+    inherited_us += child_time(false);
+    fresh_us += child_time(true);
+  }
+  const double n = static_cast<double>(state.iterations());
+  state.counters["inherited_us"] = inherited_us / n;
+  state.counters["fresh_us"] = fresh_us / n;
+  state.counters["first_pf_ratio"] = inherited_us / fresh_us;
+}
+BENCHMARK(BM_ChildFirstParallelForAfterBusyFork)->UseRealTime()->MinTime(1.0)->Repetitions(3);
+
 // Collects per-iteration real times so main() can print ratios from this one run.
 class RatioReporter : public benchmark::ConsoleReporter {
  public:
@@ -178,11 +304,19 @@ class RatioReporter : public benchmark::ConsoleReporter {
         ns_[r.run_name.function_name] = r.GetAdjustedRealTime();  // ns
         auto it = r.counters.find("ratio");
         if (it != r.counters.end()) paired_ratio_ = it->second.value;
+        for (const char* name : {"busy_ratio", "first_pf_ratio"}) {
+          auto c = r.counters.find(name);
+          if (c != r.counters.end()) other_ratios_[name] = c->second.value;
+        }
       }
     }
     ConsoleReporter::ReportRuns(runs);
   }
   double paired_ratio() const { return paired_ratio_; }
+  double other_ratio(const std::string& name) const {
+    auto it = other_ratios_.find(name);
+    return it == other_ratios_.end() ? 0 : it->second;
+  }
   double Get(const std::string& name) const {
     auto it = ns_.find(name);
     return it == ns_.end() ? 0 : it->second;
@@ -191,6 +325,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
  private:
   std::map<std::string, double> ns_;
   double paired_ratio_ = 0;
+  std::map<std::string, double> other_ratios_;
 };
 
 }  // namespace
@@ -213,6 +348,16 @@ int main(int argc, char** argv) {
     printf("unpaired ratio runtime_idle / bare = %.2f\n", idle / bare);
   }
   if (bare > 0 && busy > 0) printf("ratio runtime_busy / bare = %.2f\n", busy / bare);
+  if (reporter.other_ratio("busy_ratio") > 0) {
+    printf(
+        "paired ratio fork with a busy ParallelFor / bare (median of 3) = %.2f  (target <= 1.50)\n",
+        reporter.other_ratio("busy_ratio"));
+  }
+  if (reporter.other_ratio("first_pf_ratio") > 0) {
+    printf(
+        "child's first ParallelFor, inherited / fresh pool (median of 3) = %.2f  (target <= 1)\n",
+        reporter.other_ratio("first_pf_ratio"));
+  }
   benchmark::Shutdown();
   return 0;
 }

@@ -3,11 +3,9 @@
 #include <pthread.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <deque>
-#include <list>
+#include <memory>
 #include <mutex>
-#include <new>
 #include <thread>
 #include <vector>
 
@@ -18,32 +16,35 @@
 #include "forksafe/runtime/internal/fork_entry.h"
 #include "forksafe/runtime/internal/openmp_order.h"
 #include "forksafe/runtime/tbb_fork.h"
+#include "oneapi/tbb/global_control.h"
+#include "oneapi/tbb/task_arena.h"
 
 namespace forksafe::runtime {
 namespace internal {
 
 // Everything a pool's workers touch. Abandoned (never destroyed) in a forked child.
 struct PoolState {
-  struct Worker {
-    std::thread thread;
-    bool exited = false;  // guarded by mu (reached only through `workers`, which is)
-  };
-
   Mutex mu;
-  CondVar work_cv;   // workers wait for tasks
-  CondVar drain_cv;  // prepare waits for workers to leave
+  CondVar work_cv;   // workers wait for tasks, and parked threads for the end of a pause
+  CondVar drain_cv;  // prepare waits for workers to park
   CondVar idle_cv;   // Wait() waits for an empty, idle pool
   std::deque<std::function<void()>> queue FORKSAFE_GUARDED_BY(mu);
-  std::list<Worker> workers FORKSAFE_GUARDED_BY(mu);
+  std::vector<std::thread> workers FORKSAFE_GUARDED_BY(mu);
   int live FORKSAFE_GUARDED_BY(mu) = 0;     // workers inside WorkerLoop
   int running FORKSAFE_GUARDED_BY(mu) = 0;  // tasks in flight (on workers and on threads that help)
+  // Workers that hold no task and no lock but mu: waiting for work or for the end of a pause,
+  // or parked between two chunks of a ParallelFor helper task (helpers_parked of them). A fork
+  // does not wait for them.
+  int parked FORKSAFE_GUARDED_BY(mu) = 0;
+  int helpers_parked FORKSAFE_GUARDED_BY(mu) = 0;
+  // Parked workers that still hold oneTBB thread state (ThreadHoldsTbbState): a fork waits until
+  // they dropped it.
+  int parked_with_tbb FORKSAFE_GUARDED_BY(mu) = 0;
   // Workers inside fork(), waiting for another thread's fork.
   int forking_workers FORKSAFE_GUARDED_BY(mu) = 0;
-  // Workers that left their loop and that some thread took off `workers` to join, not yet
-  // joined: their threads may still be running thread_local destructors. A drain is complete only
-  // when this is 0 too (a Post on another thread may be joining a worker the drain let go).
-  int joining FORKSAFE_GUARDED_BY(mu) = 0;
   bool paused FORKSAFE_GUARDED_BY(mu) = false;
+  // `paused`, readable without mu: a ParallelFor helper polls it between chunks.
+  std::atomic<bool> pausing{false};
   bool stopping FORKSAFE_GUARDED_BY(mu) = false;
   const uint64_t generation = ForkGeneration();  // set once: read without mu
   uint64_t tasks_completed FORKSAFE_GUARDED_BY(mu) = 0;
@@ -59,12 +60,20 @@ using internal::MutexLock;
 using internal::PoolState;
 
 thread_local PoolState* t_worker_state = nullptr;
+// How many tasks this thread is running, one inside the other (RunTask): 1 for a worker's own
+// task, more where a task helps run queued ones (TaskGroup::Wait, ParallelFor, TryRunOne).
+thread_local int t_task_depth = 0;
+
 // Runs one task on this thread; returns whether it threw. The task (and what it captured) is
 // destroyed before returning.
 bool RunTask(std::function<void()> task) {
   // Keeps the at-fork registry prepared before OpenMP runtimes that a task may use
   // (runtime/openmp_fork.h, "LLVM libomp and Intel libiomp5"); a clock read most of the time.
   internal::OrderForkHandlersAfterOpenMpFromPool();
+  struct Depth {
+    Depth() { ++t_task_depth; }
+    ~Depth() { --t_task_depth; }
+  } depth;
   try {
     task();
   } catch (...) {
@@ -73,12 +82,68 @@ bool RunTask(std::function<void()> task) {
   return false;
 }
 
-void WorkerLoop(PoolState* s, PoolState::Worker* self) {
+// Whether this thread has run a oneTBB algorithm and still holds its oneTBB thread state: a
+// reference to oneTBB's scheduler that only the thread's end, or ReleaseTbbThreadState, drops.
+// A thread-local read inside oneTBB; never starts oneTBB.
+bool ThreadHoldsTbbState() {
+  return TbbUsableInThisProcess() && tbb::this_task_arena::current_thread_index() >= 0;
+}
+
+// Drops this thread's oneTBB thread state (what its end would drop), so that oneTBB's prepare,
+// which runs after the pools' (runtime/tbb_fork.h), can finalize oneTBB: a finalize fails while
+// a live thread holds such a reference. tbb::finalize ends the calling thread's state before it
+// checks for other references; those remain (forksafe's own handle, at least), so it returns
+// false at once and never waits. The thread's next oneTBB algorithm sets the state up again.
+// Called with no lock held: it takes oneTBB's and tbbmalloc's locks.
+void ReleaseTbbThreadState() {
+  if (!ThreadHoldsTbbState()) return;
+  try {
+    tbb::task_scheduler_handle handle(tbb::attach{});
+    (void)tbb::finalize(handle, std::nothrow);
+  } catch (...) {
+    // Out of memory for the handle: oneTBB's prepare refuses, and the registry retries.
+  }
+}
+
+// Sets or clears the pause for a fork. Clearing wakes the threads parked by it: the workers that
+// wait for it with tasks queued, and ParallelFor helpers parked between two chunks (idle workers
+// with nothing queued need no wake-up).
+void SetPausedLocked(PoolState* s, bool paused) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+  s->paused = paused;
+  s->pausing.store(paused, std::memory_order_relaxed);
+  if (!paused && (!s->queue.empty() || s->helpers_parked > 0)) s->work_cv.NotifyAll();
+}
+
+void WorkerLoop(PoolState* s) {
   t_worker_state = s;
   MutexLock lk(&s->mu);
   for (;;) {
-    while (!s->paused && !s->stopping && s->queue.empty()) s->work_cv.Wait(&lk);
-    if (s->paused || s->queue.empty()) break;  // paused for a fork, or stopping with no work
+    if (s->paused || (!s->stopping && s->queue.empty())) {
+      // Parked: no task, no lock but this one (which the wait releases). A fork needs nothing
+      // more from this thread, so prepare does not wait for it to end (nor wakes it), unless it
+      // holds oneTBB thread state: then a fork wakes it to drop that first.
+      bool tbb = ThreadHoldsTbbState();
+      ++s->parked;
+      if (tbb) ++s->parked_with_tbb;
+      if (s->paused) s->drain_cv.NotifyAll();
+      while (s->paused || (!s->stopping && s->queue.empty())) {
+        if (tbb && s->paused) {
+          --s->parked_with_tbb;
+          --s->parked;  // busy with oneTBB's locks meanwhile
+          lk.Unlock();
+          ReleaseTbbThreadState();
+          lk.Lock();
+          tbb = false;
+          ++s->parked;
+          s->drain_cv.NotifyAll();
+          continue;
+        }
+        s->work_cv.Wait(&lk);
+      }
+      if (tbb) --s->parked_with_tbb;
+      --s->parked;
+    }
+    if (s->queue.empty()) break;  // stopping with no work left
     std::function<void()> task = std::move(s->queue.front());
     s->queue.pop_front();
     ++s->running;
@@ -95,26 +160,34 @@ void WorkerLoop(PoolState* s, PoolState::Worker* self) {
     ++s->tasks_completed;
     if (threw) ++s->task_exceptions;
     if (s->running == 0 && s->queue.empty()) s->idle_cv.NotifyAll();
-    if (s->paused) s->drain_cv.NotifyAll();
   }
   --s->live;
-  self->exited = true;
-  s->drain_cv.NotifyAll();
   t_worker_state = nullptr;
+}
+
+// Parks a ParallelFor helper task between two chunks while its pool is paused for a fork
+// (ThreadPool::ParallelFor). Only a worker's outermost task parks: it holds no lock here.
+void ParkHelperWhilePaused(PoolState* s) {
+  if (ForkGeneration() != s->generation) return;  // a child forked by this task: not ours
+  ReleaseTbbThreadState();                        // as a parking worker does (WorkerLoop)
+  MutexLock lk(&s->mu);
+  if (!s->paused) return;
+  ++s->parked;
+  ++s->helpers_parked;
+  s->drain_cv.NotifyAll();
+  while (s->paused) s->work_cv.Wait(&lk);
+  --s->helpers_parked;
+  --s->parked;
 }
 
 // Starts workers up to `target`. Keeps s->mu held (never unlocks).
 void EnsureWorkersLocked(PoolState* s, int target) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
   if (s->paused || s->stopping) return;
   while (s->live < target) {
-    s->workers.emplace_back();
-    PoolState::Worker* w = &s->workers.back();
-    ++s->live;
     try {
-      w->thread = std::thread(WorkerLoop, s, w);
+      s->workers.emplace_back(WorkerLoop, s);  // it starts by waiting for s->mu, held here
+      ++s->live;
     } catch (const std::system_error& e) {
-      --s->live;
-      s->workers.pop_back();
       if (s->live > 0) return;  // run with fewer workers
       throw Error(ErrorCode::kResourceExhausted,
                   absl::StrCat("could not start a pool worker thread: ", e.what(),
@@ -123,67 +196,35 @@ void EnsureWorkersLocked(PoolState* s, int target) FORKSAFE_EXCLUSIVE_LOCKS_REQU
   }
 }
 
-// Joins `t` if its thread has ended by `until`, polling pthread_tryjoin_np on the steady clock (a
-// step of the wall clock cannot stretch it); false, with `t` still joinable, when it has not.
-bool JoinIfEndedBy(std::thread& t, std::chrono::steady_clock::time_point until) {
-  for (;;) {
-    const int rc = pthread_tryjoin_np(t.native_handle(), nullptr);
-    if (rc == 0) {
-      // Joined behind std::thread's back: make the object empty without running its destructor
-      // (which terminates on a joinable thread); it holds nothing but the id.
-      new (&t) std::thread();
-      return true;
+// Ends a pause (a fork done, or a prepare rolled back).
+void ResumeLocked(PoolState* s, int num_threads) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+  // The workers parked across the fork go on: none was joined, none is started again. Only
+  // where tasks were queued during the pause on a pool short of workers (they start lazily, or
+  // one could not start before) are workers started now; otherwise on the next Post.
+  SetPausedLocked(s, false);
+  if (!s->queue.empty() && s->live < num_threads) {
+    try {
+      EnsureWorkersLocked(s, num_threads);
+    } catch (...) {
+      // Out of threads right now: the next Post() tries again.
     }
-    if (rc != EBUSY || std::chrono::steady_clock::now() >= until) return false;
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
 }
 
-// Joins and forgets workers that have left their loop. Requires s->mu held (by the caller's
-// MutexLock); releases it meanwhile and takes it again before returning. A worker whose thread has
-// not ended by `until` is left for a later call: its thread_local destructors may be waiting for
-// the registry (an AtForkRegistration, a thread_local pool) or a lock the caller holds, and an
-// unbounded join would deadlock. Returns how many such threads are still running.
-// Nothing throws while s->mu is released (`later` is reserved first), so the caller's guard
-// always finds the mutex held again.
-int ReapExitedLocked(PoolState* s, std::chrono::steady_clock::time_point until)
-    FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
-  std::vector<std::thread> done;
-  for (auto it = s->workers.begin(); it != s->workers.end();) {
-    if (it->exited) {
-      done.push_back(std::move(it->thread));
-      it = s->workers.erase(it);
-    } else {
-      ++it;
-    }
+#if defined(__SANITIZE_THREAD__)
+// In a forked child. The parent's workers were parked, alive, at the fork; glibc hands their
+// stacks, and so their pthread_t values, to this child's next threads. ThreadSanitizer (as shipped
+// with GCC 12) still counts the parent's threads as running here, and dies ("dup thread with used
+// id") when a thread of this child that got such an id is joined. Detaching the vanished workers'
+// ids first takes them out of its books; glibc only marks their unused descriptors detached.
+// Unlocked: the child is single-threaded here, and nothing changes `workers` while a pool is
+// paused for a fork.
+void ForgetVanishedWorkersForTsan(PoolState* s) FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  for (std::thread& t : s->workers) {
+    if (t.joinable() && t.get_id() != std::this_thread::get_id()) pthread_detach(t.native_handle());
   }
-  if (done.empty()) return 0;
-  const int taken = static_cast<int>(done.size());
-  std::vector<std::thread> later;
-  later.reserve(done.size());
-  s->joining += taken;
-  s->mu.Unlock();
-  for (std::thread& t : done) {
-    if (t.joinable() && !JoinIfEndedBy(t, until)) later.push_back(std::move(t));
-  }
-  s->mu.Lock();
-  s->joining -= taken;
-  for (std::thread& t : later) {
-    s->workers.emplace_back();
-    s->workers.back().thread = std::move(t);
-    s->workers.back().exited = true;
-  }
-  if (s->paused) s->drain_cv.NotifyAll();
-  return static_cast<int>(later.size());
 }
-
-// Workers that left their loop and whose threads are not joined yet: listed, or being joined by
-// another thread.
-int LeftNotJoinedLocked(const PoolState* s) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
-  int n = s->joining;
-  for (const PoolState::Worker& w : s->workers) n += w.exited ? 1 : 0;
-  return n;
-}
+#endif
 
 // The registry's fork-entry hooks (runtime/internal/fork_entry.h): a worker inside fork(), waiting
 // for another thread's fork, is not waited for by that fork's drain.
@@ -245,7 +286,7 @@ ThreadPool::~ThreadPool() {
   {
     MutexLock lk(&s->mu);
     s->stopping = true;
-    s->paused = false;
+    SetPausedLocked(s, false);
     // Make sure queued work still has a worker to run it.
     if (!s->queue.empty() && s->live == 0) {
       s->stopping = false;
@@ -257,7 +298,7 @@ ThreadPool::~ThreadPool() {
   std::vector<std::thread> threads;
   {
     MutexLock lk(&s->mu);
-    for (auto& w : s->workers) threads.push_back(std::move(w.thread));
+    threads.swap(s->workers);
   }
   for (std::thread& t : threads) {
     if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
@@ -288,13 +329,6 @@ void ThreadPool::Post(std::function<void()> fn) {
   if (!fn) throw Error(ErrorCode::kInvalidArgument, "ThreadPool::Post was given an empty task");
   PoolState* s = State();
   MutexLock lk(&s->mu);
-  // Workers that left at a fork and could not be joined then: every listed worker is live or left.
-  // Joined only if their threads have ended: a thread still in its thread_local destructors may
-  // wait for a lock this caller holds, and an unbounded join here would deadlock. The others
-  // stay listed for a later Post, a fork's drain or the destructor.
-  if (s->workers.size() > static_cast<size_t>(s->live)) {
-    ReapExitedLocked(s, std::chrono::steady_clock::now());
-  }
   if (s->stopping) {
     throw Error(ErrorCode::kFailedPrecondition,
                 absl::StrCat("pool \"", options_.name, "\" is being destroyed; no new tasks"));
@@ -332,7 +366,6 @@ bool ThreadPool::TryRunOne() {
   ++s->tasks_completed;
   if (threw) ++s->task_exceptions;
   if (s->running == 0 && s->queue.empty()) s->idle_cv.NotifyAll();
-  if (s->paused) s->drain_cv.NotifyAll();
   return true;
 }
 
@@ -370,14 +403,31 @@ void ThreadPool::ParallelFor(int64_t begin, int64_t end, int64_t grain,
   }
   // Chunks are handed out from one counter, so memory does not grow with their number: the
   // calling thread and up to num_threads() helper tasks take the next chunk until none is left.
+  // The state is shared with the helpers: one parked for a fork between two chunks may resume
+  // (and find no chunk left) after this call has returned.
   struct Shared {
     std::atomic<uint64_t> next{0};
     internal::Mutex mu;
+    internal::CondVar cv;
+    // Helpers queued or running a chunk: all but those parked between chunks for a fork.
+    int active FORKSAFE_GUARDED_BY(mu) = 0;
     std::exception_ptr error FORKSAFE_GUARDED_BY(mu);  // the first one
-  } shared;
-  auto run_chunks = [&shared, &body, begin, end, span, step, chunks] {
+  };
+  auto shared = std::make_shared<Shared>();
+  // `body` is called only for a chunk taken from `next`, and this call returns only once every
+  // chunk is done, so a helper that resumes later never reaches it.
+  auto run_chunks = [&body, begin, end, span, step, chunks](Shared& sh, PoolState* park_in) {
     for (;;) {
-      const uint64_t c = shared.next.fetch_add(1, std::memory_order_relaxed);
+      if (park_in != nullptr && park_in->pausing.load(std::memory_order_relaxed)) {
+        {
+          MutexLock lk(&sh.mu);
+          if (--sh.active == 0) sh.cv.NotifyAll();
+        }
+        ParkHelperWhilePaused(park_in);
+        MutexLock lk(&sh.mu);
+        ++sh.active;
+      }
+      const uint64_t c = sh.next.fetch_add(1, std::memory_order_relaxed);
       if (c >= chunks) return;
       const uint64_t offset = c * step;  // < span
       const auto lo = static_cast<int64_t>(static_cast<uint64_t>(begin) + offset);
@@ -386,30 +436,84 @@ void ThreadPool::ParallelFor(int64_t begin, int64_t end, int64_t grain,
       try {
         body(lo, hi);
       } catch (...) {
-        MutexLock lk(&shared.mu);
-        if (!shared.error) shared.error = std::current_exception();
+        MutexLock lk(&sh.mu);
+        if (!sh.error) sh.error = std::current_exception();
       }
     }
   };
-  {
-    TaskGroup group(*this);
-    const uint64_t helpers = std::min<uint64_t>(static_cast<uint64_t>(num_threads_), chunks - 1);
-    for (uint64_t i = 0; i < helpers; ++i) {
-      try {
-        group.Run(run_chunks);
-      } catch (const Error& e) {
-        if (e.code() != ErrorCode::kResourceExhausted) throw;
-        break;  // no worker can start (a thread limit): the caller runs the chunks alone
+  PoolState* const pool_state = State();
+  // Waits until no helper is queued or inside a chunk, running queued tasks meanwhile (as
+  // TaskGroup::Wait does: helpers not started yet find no chunk left, or run here while the
+  // pool is paused). Helpers parked for a fork are not waited for.
+  auto wait_for_helpers = [this, &shared] {
+    for (;;) {
+      {
+        MutexLock lk(&shared->mu);
+        if (shared->active == 0) return;
+      }
+      if (TryRunOne()) continue;
+      MutexLock lk(&shared->mu);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(1);
+      while (shared->active != 0 && shared->cv.WaitUntil(&lk, until)) {
       }
     }
-    run_chunks();  // the caller works too: it never waits for workers that cannot come
-    group.Wait();  // helpers not started yet find no chunk left (or run here if the pool paused)
+  };
+  const uint64_t generation = ForkGeneration();
+  const uint64_t helpers = std::min<uint64_t>(static_cast<uint64_t>(num_threads_), chunks - 1);
+  uint64_t posted = 0;
+  for (uint64_t i = 0; i < helpers; ++i) {
+    {
+      MutexLock lk(&shared->mu);
+      ++shared->active;
+    }
+    try {
+      Post([shared, run_chunks, pool_state] {
+        // Only a worker's outermost task may park mid-loop: a helper run nested inside another
+        // task (TaskGroup::Wait, TryRunOne) may have frames below it that hold the caller's locks.
+        PoolState* park_in =
+            (t_worker_state == pool_state && t_task_depth == 1) ? pool_state : nullptr;
+        run_chunks(*shared, park_in);
+        // Forked from inside the body, this is a child's only thread: the parent's caller may
+        // have held shared->mu at the fork. Touch nothing (TaskGroup::Wait refuses there).
+        if (ForkGeneration() != pool_state->generation) return;
+        MutexLock lk(&shared->mu);
+        if (--shared->active == 0) shared->cv.NotifyAll();
+      });
+    } catch (...) {
+      {
+        MutexLock lk(&shared->mu);
+        --shared->active;
+      }
+      bool thread_limit = false;
+      try {
+        throw;
+      } catch (const Error& e) {
+        thread_limit = e.code() == ErrorCode::kResourceExhausted;
+      } catch (...) {
+      }
+      // No worker can start (a thread limit): the caller runs the chunks alone.
+      if (thread_limit) break;
+      shared->next.store(chunks);  // no new chunk starts; wait for those in flight
+      wait_for_helpers();
+      throw;
+    }
+    ++posted;
   }
-  // Every helper has finished (group.Wait above): no other thread touches `shared` now.
+  run_chunks(*shared, nullptr);  // the caller works too, and never parks
+  if (posted > 0) {
+    if (ForkGeneration() != generation) {
+      // Forked from inside the body on this thread: the helpers run in the parent.
+      throw Error(
+          ErrorCode::kFailedPrecondition,
+          "a TaskGroup (or ParallelFor) of the parent cannot be waited for in a forked child: "
+          "its tasks run in the parent; call _exit() or exec from the task that forked");
+    }
+    wait_for_helpers();
+  }
   std::exception_ptr error;
   {
-    MutexLock lk(&shared.mu);
-    error = shared.error;
+    MutexLock lk(&shared->mu);
+    error = shared->error;
   }
   if (error) std::rethrow_exception(error);
 }
@@ -438,7 +542,7 @@ ThreadPoolStats ThreadPool::stats() const {
   }
   out.forks_drained = forks_drained_.load();
   out.drain_timeouts = drain_timeouts_.load();
-  out.exit_waits = exit_waits_.load();
+  out.exit_waits = 0;  // no worker ends at a fork any more (ThreadPoolStats::exit_waits)
   out.rebuilt_in_child = rebuilt_in_child_.load();
   return out;
 }
@@ -472,73 +576,36 @@ bool ThreadPool::PrepareFork(const PrepareAttempt& attempt) {
   const int self = (t_worker_state == s) ? 1 : 0;  // a fork from our own worker
 
   MutexLock lk(&s->mu);
-  s->paused = true;
-  s->work_cv.NotifyAll();
-  // Workers leave their loop when their task ends. Not waited for: this thread (a fork from one
-  // of our tasks), workers that are themselves inside fork() waiting for this one (they cannot
-  // finish first), and tasks that threads other than workers run for themselves (TryRunOne).
-  bool drained = true;
-  while (s->live > self + s->forking_workers) {
-    if (!s->drain_cv.WaitUntil(&lk, wait_until)) {
-      drained = s->live <= self + s->forking_workers;
-      break;
-    }
+  SetPausedLocked(s, true);
+  if (s->parked_with_tbb > 0) s->work_cv.NotifyAll();  // they drop their oneTBB state first
+  // Every worker parks: when its task ends (it then waits for the end of the pause without
+  // taking the next one), or, a ParallelFor helper that is its outermost task, between two
+  // chunks. Idle workers are parked already and are not woken, unless they hold oneTBB thread
+  // state, which they drop first (ReleaseTbbThreadState). Parked threads stay alive across
+  // the fork: none ends, so no thread_local destructor (tbbmalloc's, say, which takes that
+  // allocator's locks) runs while the fork goes ahead. Not waited for: this thread (a fork from
+  // one of our tasks), workers that are themselves inside fork() waiting for this one (they
+  // cannot finish first), and tasks that threads other than workers run for themselves
+  // (TryRunOne, a ParallelFor's caller).
+  auto unparked = [&]() FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+    return std::max(s->live - s->parked - self - s->forking_workers, 0) + s->parked_with_tbb;
+  };
+  while (unparked() > 0) {
+    if (!s->drain_cv.WaitUntil(&lk, wait_until)) break;
   }
-  // Workers that left their loop are joined if their threads end in time. A thread that has not
-  // ended is still running its thread_local destructors, and they take other libraries' locks
-  // (tbbmalloc returns a thread's caches under its own: a fork in that moment handed the child a
-  // held lock, and its first oneTBB algorithm spun for ever; tests/soak/fork_soak_test, about 1
-  // fork in 25,000 under load). So the pool is drained only when every such thread has ended;
-  // otherwise this attempt is rolled back like an unfinished task. The wait is bounded: those
-  // destructors may themselves wait for the registry this fork holds (a thread_local pool or
-  // AtForkRegistration), which the registry releases between attempts. The next Post, or the
-  // destructor, joins what is left.
-  // The same holds for workers that another thread is joining at this moment (a Post reaps the
-  // workers a drain let go, and can win the pool's lock before this prepare does): wait for
-  // those joins as well, with the same bound.
-  const auto join_until =
-      std::max(wait_until, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
-  // A Post joins with a poll only and lists again the threads that have not ended: reap those
-  // too once its join is over, or this drain would count them as gone.
-  ReapExitedLocked(s, join_until);
-  while (s->joining > 0) {
-    bool joined = true;  // joining reached 0 before join_until
-    while (s->joining != 0) {
-      if (!s->drain_cv.WaitUntil(&lk, join_until)) {
-        joined = s->joining == 0;
-        break;
-      }
-    }
-    if (!joined) break;
-    ReapExitedLocked(s, join_until);
-  }
-  const int still_exiting = LeftNotJoinedLocked(s);
-  if (drained && still_exiting == 0) {
+  const int busy = unparked();
+  if (busy <= 0) {
     drained_this_fork_ = true;
     return true;
   }
-  if (still_exiting > 0) exit_waits_.fetch_add(1, std::memory_order_relaxed);
   if (!last && std::chrono::steady_clock::now() < hard_deadline) {
-    s->paused = false;  // roll back: let the workers go on until the next attempt
-    s->work_cv.NotifyAll();
+    ResumeLocked(s, num_threads_);  // roll back: let the workers go on until the next attempt
     return false;
   }
   drain_timeouts_.fetch_add(1, std::memory_order_relaxed);
-  if (drained) {
-    AtForkRegistry::ReportEvent(
-        ForkEventKind::kDrainDeadlineExceeded, "thread_pool:" + options_.name,
-        absl::StrCat(still_exiting,
-                     " worker thread(s) still running their thread_local destructors after the "
-                     "drain deadline of ",
-                     options_.drain_deadline.count(),
-                     " ms; the fork proceeds, and a lock those destructors hold (an allocator's, "
-                     "say) may stay held in the child"));
-    return true;
-  }
   AtForkRegistry::ReportEvent(
       ForkEventKind::kDrainDeadlineExceeded, "thread_pool:" + options_.name,
-      absl::StrCat(s->live - self - s->forking_workers,
-                   " worker(s) still running a task after the drain deadline of ",
+      absl::StrCat(busy, " worker(s) still running a task after the drain deadline of ",
                    options_.drain_deadline.count(),
                    " ms; the fork proceeds, the child gets a fresh pool, and the parent's "
                    "tasks go on"));
@@ -550,17 +617,7 @@ void ThreadPool::ParentAfterFork() {
   PoolState* s = state_.load();
   if (s == nullptr) return;
   MutexLock lk(&s->mu);
-  s->paused = false;
-  ReapExitedLocked(s, std::chrono::steady_clock::now() + std::chrono::milliseconds(10));
-  // Workers come back at once only where queued tasks wait for them; otherwise on next Post.
-  if (!s->queue.empty()) {
-    try {
-      EnsureWorkersLocked(s, num_threads_);
-    } catch (...) {
-      // Out of threads right now: the next Post() tries again.
-    }
-  }
-  s->work_cv.NotifyAll();
+  ResumeLocked(s, num_threads_);
 }
 
 void ThreadPool::ChildAfterFork() {
@@ -569,12 +626,14 @@ void ThreadPool::ChildAfterFork() {
   // does the same). A fresh state is built on first use.
   // Forked from a worker: the task keeps running on this thread and its loop then exits without
   // touching the abandoned state (it compares ForkGeneration()).
+#if defined(__SANITIZE_THREAD__)
+  if (PoolState* s = state_.load(); s != nullptr) ForgetVanishedWorkersForTsan(s);
+#endif
   state_.store(nullptr);
   drain_fork_ = 0;  // the child numbers its forks from 1 again (AtForkRegistry::fork_count)
   rebuilt_in_child_.store(1);
   forks_drained_.store(0);
   drain_timeouts_.store(0);
-  exit_waits_.store(0);
 }
 
 TaskGroup::TaskGroup(ThreadPool& pool) : pool_(pool), generation_(ForkGeneration()) {}

@@ -6,27 +6,31 @@
 //   lazily on first use. ThreadPool::Default() is a process-wide pool.
 //
 // Fork behaviour (each pool registers itself with the at-fork registry)
-//   prepare: stop intake (queued tasks stay queued), let the workers' in-flight tasks finish
-//            within ThreadPoolOptions::drain_deadline (and the fork's own prepare deadline), and
-//            join the workers, which leave at once. The pool counts as drained only when every
-//            leaving worker's thread has ended (also one that another thread, say a Post, is
-//            joining at that moment), its thread_local destructors included: those
-//            take other libraries' locks (tbbmalloc's, for one), which a fork in mid-destructor
-//            would hand to the child held. The join inside a fork callback is bounded (those
-//            destructors may wait for the registry the fork holds): a thread still ending makes
-//            prepare say "not yet" (counted in stats().exit_waits), and the registry releases
-//            itself and retries. Not waited
+//   prepare: stop intake (queued tasks stay queued) and wait, within
+//            ThreadPoolOptions::drain_deadline (and the fork's own prepare deadline), until every
+//            worker is PARKED: waiting on the pool's condition variable with no task and no lock
+//            held. An idle worker is parked already (it is not even woken); a busy one parks when
+//            its task ends; a ParallelFor helper that is a worker's outermost task parks between
+//            two chunks, so a fork waits for at most one grain of a ParallelFor per worker (the
+//            rest of the loop resumes after the fork; its calling thread goes on meanwhile).
+//            Workers stay alive across the fork: none is joined or started again, so no thread
+//            ends at a fork and no thread_local destructor (tbbmalloc's, which takes that
+//            allocator's locks) can be cut in half by it. A worker that has run oneTBB drops its
+//            oneTBB thread state before it counts as parked (an idle one is woken for that), as
+//            its end used to: oneTBB's prepare, after the pools', can only finalize oneTBB when
+//            no live thread holds such state (runtime/tbb_fork.h). Not waited
 //            for: a fork issued from one of this pool's own workers (it does not wait for
 //            itself), workers that are themselves inside fork() waiting for this fork (two tasks
 //            that fork at once never wait for each other), and tasks that a thread other than a
 //            worker runs for itself (TaskGroup::Wait, ParallelFor and TryRunOne run queued tasks
 //            on the calling thread, also while the pool is paused: a thread that holds a lock a
-//            prepare wants never waits for workers the fork has stopped). If a worker's task
+//            prepare wants never waits for workers the fork has stopped; a ParallelFor's caller
+//            does not wait for helpers parked by the fork either). If a worker's task
 //            outlives the deadline the fork still proceeds and
 //            ForkEventKind::kDrainDeadlineExceeded is reported (before the deadline, prepare
 //            says "not yet" so the registry can roll back other subsystems that the task may be
-//            waiting for).
-//   parent:  intake resumes; queued tasks run again on fresh workers.
+//            waiting for; a rolled-back attempt lets the parked workers go on).
+//   parent:  intake resumes; the parked workers (and parked ParallelFor helpers) go on.
 //   child:   the inherited state (queue, mutexes, thread objects) is abandoned untouched; the pool
 //            is rebuilt empty on first use. Tasks queued in the parent never run in the child.
 //            A pool that lives on the stack of a thread other than the forking one is forgotten
@@ -38,10 +42,18 @@
 //     counted in stats().task_exceptions and otherwise dropped.
 //   - TaskGroup::Wait and ParallelFor called from a worker help run queued tasks instead of
 //     blocking, so nested parallelism does not deadlock.
+//   - A ParallelFor helper parks for a fork only between two chunks (never inside the body) and
+//     only when it is a worker's outermost task. A helper that runs nested inside another task
+//     (picked up by TaskGroup::Wait, ParallelFor or TryRunOne on a worker) never parks mid-loop:
+//     the frames below it may hold the caller's locks, so the fork waits for that whole outer
+//     task, as for any other task.
 //
 // Hazards
 //   - Wait() from one of the pool's own workers would wait for itself: it throws
 //     kFailedPrecondition. Destroying a pool from one of its own workers is undefined.
+//   - A fork waits for a whole task, not one grain, when the task is not a ParallelFor helper or
+//     runs one nested (Guarantees): a long task, or a long ParallelFor run from inside a task,
+//     makes every fork wait for it (up to drain_deadline).
 //   - A child forked from inside a task keeps running that task; when the task returns, its
 //     thread ends (and with it the child, if no other thread was started). Call _exit() or exec
 //     from the task instead of returning. A TaskGroup or ParallelFor of the parent cannot be
@@ -87,8 +99,9 @@ struct ThreadPoolStats {
   uint64_t task_exceptions = 0;  ///< Exceptions thrown by Post() tasks.
   uint64_t forks_drained = 0;    ///< Forks for which the pool was fully quiesced.
   uint64_t drain_timeouts = 0;   ///< Forks that went ahead with tasks still running.
-  /// Prepare attempts rolled back because a worker that had left was still ending (running its
-  /// thread_local destructors).
+  /// Always 0: prepare attempts once rolled back because a worker let go at the fork was still
+  /// ending (running its thread_local destructors). Workers now stay parked across a fork and no
+  /// thread ends there; the field stays for the readers of these counters.
   uint64_t exit_waits = 0;
   uint64_t rebuilt_in_child = 0;  ///< 1 when this pool was rebuilt after a fork in this process.
 };
@@ -151,7 +164,8 @@ class ThreadPool {
 
   /// The configured number of workers.
   int num_threads() const { return num_threads_; }
-  /// Worker threads alive right now (0 before first use and right after a drain).
+  /// Worker threads alive right now (0 before first use and in a forked child until first use;
+  /// a fork leaves the parent's workers alive, parked).
   int live_workers() const;
   /// Tasks queued and not yet started.
   size_t queued() const;
@@ -177,7 +191,6 @@ class ThreadPool {
   bool drained_this_fork_ = false;
   std::atomic<uint64_t> forks_drained_{0};
   std::atomic<uint64_t> drain_timeouts_{0};
-  std::atomic<uint64_t> exit_waits_{0};
   std::atomic<uint64_t> rebuilt_in_child_{0};
 };
 

@@ -2,6 +2,7 @@
 #include "forksafe/runtime/thread_pool.h"
 
 #include <dirent.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -11,14 +12,17 @@
 #include <cstring>
 #include <mutex>
 #include <numeric>
+#include <set>
 #include <stdexcept>
 #include <thread>
 #include <vector>
 
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/tbb_fork.h"
 #include "gtest/gtest.h"
 #include "tests/support/child_process.h"
+#include "tests/support/workloads.h"
 
 namespace forksafe::runtime {
 namespace {
@@ -328,22 +332,18 @@ void UseSlowThreadExit() {
   (void)&on_exit;
 }
 
-// The drain's join of a leaving worker is bounded by the pool's slice of the drain deadline (here
-// 1 s): the pool must not count as drained while that thread still runs, or the child inherits
-// g_exit_mu held (as it inherited tbbmalloc's lock, tests/soak/fork_soak_test). The thread's
-// destructor ends only once attempt 2 has begun (a handler prepared before the pool opens the
-// gate then), so attempt 1 must be rolled back and attempt 2 must join the thread.
-TEST(ThreadPoolTest, AWorkerThreadEndsCompletelyBeforeTheFork) {
+pid_t Tid() { return static_cast<pid_t>(syscall(SYS_gettid)); }
+
+// Workers park across a fork instead of ending: no thread_local destructor runs at the fork (one
+// that held a lock, as tbbmalloc's do, used to make the drain wait for the thread's end), the
+// same worker thread goes on in the parent, and the child can take the lock.
+TEST(ThreadPoolTest, WorkersStayParkedAcrossAForkAndNoThreadEndsThere) {
   ThreadPool pool(ThreadPoolOptions{1, "exit", 8000ms});
-  int tag;
-  AtForkHandler opener;
-  opener.name = "opens_the_exit_gate";
-  opener.prepare = [](const PrepareAttempt& a) {
-    if (a.number >= 2) g_exit_gate.Open();
-    return true;
-  };
-  AtForkRegistration reg(&tag, std::move(opener));  // registered after the pool: prepared before
-  pool.Submit([] { UseSlowThreadExit(); }).get();
+  const pid_t before = pool.Submit([] {
+                             UseSlowThreadExit();
+                             return Tid();
+                           })
+                           .get();
   auto child = RunInChild(
       [] {
         if (!g_exit_mu.try_lock()) return 1;  // held by a thread that does not exist here
@@ -354,11 +354,14 @@ TEST(ThreadPoolTest, AWorkerThreadEndsCompletelyBeforeTheFork) {
   EXPECT_TRUE(child.ok()) << "the fork happened while a worker's thread_local destructor held a "
                              "lock: "
                           << child.Describe();
-  EXPECT_GE(pool.stats().exit_waits, 1u) << "prepare never waited for the leaving thread";
+  EXPECT_EQ(pool.live_workers(), 1) << "a fork must leave the workers alive";
+  EXPECT_EQ(pool.Submit([] { return Tid(); }).get(), before) << "the worker was re-created";
+  EXPECT_EQ(pool.stats().exit_waits, 0u);
   EXPECT_EQ(pool.stats().drain_timeouts, 0u);
+  EXPECT_GE(pool.stats().forks_drained, 1u);
   const ForkReport r = AtForkRegistry::Get().LastReport();
   EXPECT_FALSE(HasEvent(r, ForkEventKind::kDrainDeadlineExceeded)) << r.ToString();
-  EXPECT_GE(r.attempts, 2) << "the first attempt should have been rolled back: " << r.ToString();
+  g_exit_gate.Open();  // the worker's thread ends in the pool's destructor
 }
 
 // Whether the kernel is tearing thread `tid` down (PF_EXITING in its flags, the 9th field of
@@ -407,13 +410,12 @@ void UseShortThreadExit() {
   (void)&on_exit;
 }
 
-// The drain lets workers go at every fork; a Post on another thread may win the pool's lock
-// first and take a leaving worker off the list to join it. The fork must still wait for that
-// thread: a handler prepared after the pool (registered before it) counts the process's threads,
-// and no worker may be among them. Before the fix, about 1 fork in 10 here went ahead with a
-// worker thread still ending (and under load, 1 in 25,000 forks of fork_soak_test handed the
-// child tbbmalloc's lock held by such a thread).
-TEST(ThreadPoolTest, NoLeavingWorkerThreadIsAliveWhenTheDrainEnds) {
+// Forks while a feeder keeps the pool busy: the workers are parked at each fork, never let go and
+// started again. A handler prepared after the pool (registered before it) counts the process's
+// threads: the baseline, the feeder and the two workers, never more (a thread ending or starting
+// around the fork would show). The tasks see at most two distinct worker threads (kernel thread
+// ids, which are not reused at once) over 200 forks: the workers were never re-created.
+TEST(ThreadPoolTest, WorkersAreParkedNotRecreatedAcrossForks) {
   const int baseline = ThreadCount();
   ASSERT_GT(baseline, 0) << "cannot read /proc/self/task";
   std::atomic<int> worst{0};
@@ -428,12 +430,18 @@ TEST(ThreadPoolTest, NoLeavingWorkerThreadIsAliveWhenTheDrainEnds) {
     return true;
   };
   AtForkRegistration counter(&tag, std::move(h));
+  std::mutex tids_mu;
+  std::set<pid_t> tids;
   {
-    ThreadPool pool(ThreadPoolOptions{2, "reaped", 5000ms});  // prepared before the counter
+    ThreadPool pool(ThreadPoolOptions{2, "parked", 5000ms});  // prepared before the counter
     std::atomic<bool> stop{false};
     std::thread feeder([&] {
       while (!stop) {
-        pool.Post([] { UseShortThreadExit(); });
+        pool.Post([&] {
+          UseShortThreadExit();
+          std::lock_guard<std::mutex> lk(tids_mu);
+          tids.insert(Tid());
+        });
         std::this_thread::sleep_for(50us);
       }
     });
@@ -444,15 +452,18 @@ TEST(ThreadPoolTest, NoLeavingWorkerThreadIsAliveWhenTheDrainEnds) {
     stop = true;
     feeder.join();
     pool.Wait();
+    EXPECT_EQ(pool.live_workers(), 2);
+    EXPECT_EQ(pool.stats().exit_waits, 0u);
   }
-  // At the counter's prepare: the threads of the baseline, and the feeder.
-  EXPECT_LE(worst.load(), baseline + 1)
-      << "a pool worker's thread was still alive when the pool's prepare returned";
+  EXPECT_LE(tids.size(), 2u) << "workers were started again after forks";
+  EXPECT_LE(worst.load(), baseline + 3)
+      << "more threads than the baseline, the feeder and the two workers at a fork";
 }
 
-// A worker whose thread_local destructor waits for a lock that the thread calling Post holds:
-// Post must not wait for that worker's thread to end (it would wait for itself). Run in a child
-// with a deadline, so that the deadlock, if any, is a failure and not a stuck suite.
+// A worker whose thread_local destructor waits for a lock that the thread calling Post holds: no
+// fork and no Post may wait for that worker's thread to end (it would wait for itself; workers
+// park across forks and end only in the destructor). Run in a child with a deadline, so that the
+// deadlock, if any, is a failure and not a stuck suite.
 std::mutex g_post_mu;
 struct ExitNeedsPostersLock {
   ~ExitNeedsPostersLock() { std::lock_guard<std::mutex> lk(g_post_mu); }
@@ -467,18 +478,257 @@ TEST(ThreadPoolTest, PostDoesNotWaitForALeavingWorkerThatWaitsForItsCaller) {
             })
             .get();
         std::unique_lock<std::mutex> held(g_post_mu);
-        // The fork's drain lets the worker go; its destructor now waits for g_post_mu (held here).
+        // The fork parks the worker (its thread does not end: its destructor would wait for
+        // g_post_mu, held here).
         auto grandchild = RunInChild([] { return 0; }, 20s);
         if (!grandchild.ok()) return 2;
-        // Post finds the leaving worker listed and must go on without joining it.
+        // Post finds the parked worker and goes on with it.
         if (pool.Submit([] { return 5; }).get() != 5) return 3;
-        held.unlock();  // now the leaving worker can end
+        held.unlock();  // now the worker can end (in the pool's destructor)
         pool.Wait();
         return 0;
       },
       20s, 20);
   EXPECT_TRUE(result.ok()) << "Post waited for a worker that waited for Post's caller: "
                            << result.Describe();
+}
+
+// The peers' workload 6: forks while another thread runs ParallelFor on the workers. Every fork
+// completes, every ParallelFor of the parent sums right, the child's ParallelFor works on a
+// fresh pool, and the parent's workers are never re-created.
+TEST(ThreadPoolTest, ForksWhileAParallelForRunsOnTheWorkers) {
+  ThreadPool pool(ThreadPoolOptions{2, "busy_pf", 5000ms});
+  constexpr int64_t kN = 1 << 16;
+  auto sum_to = [&pool](int64_t n) {
+    std::atomic<int64_t> sum{0};
+    pool.ParallelFor(0, n, n / 16, [&](int64_t lo, int64_t hi) {
+      int64_t s = 0;
+      for (int64_t i = lo; i < hi; ++i) s += i;
+      sum += s;
+    });
+    return sum.load();
+  };
+  ASSERT_EQ(sum_to(kN), kN * (kN - 1) / 2);
+  std::atomic<bool> stop{false};
+  std::atomic<int> rounds{0}, wrong{0};
+  std::thread busy([&] {
+    while (!stop) {
+      if (sum_to(kN) != kN * (kN - 1) / 2) ++wrong;
+      ++rounds;
+    }
+  });
+  while (rounds < 3) std::this_thread::sleep_for(100us);
+  for (int i = 0; i < 20; ++i) {
+    auto child = RunInChild(
+        [&] {
+          if (pool.live_workers() != 0) return 1;
+          if (sum_to(1000) != 499500) return 2;
+          if (pool.Submit([] { return 42; }).get() != 42) return 3;
+          return pool.stats().rebuilt_in_child == 1 ? 0 : 4;
+        },
+        20s);
+    ASSERT_TRUE(child.ok()) << "fork " << i << ": " << child.Describe();
+  }
+  const int at_end = rounds.load();
+  const auto until = std::chrono::steady_clock::now() + 20s;
+  while (rounds.load() < at_end + 2 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(100us);
+  }
+  stop = true;
+  busy.join();
+  EXPECT_GE(rounds.load(), at_end + 2) << "the busy thread's ParallelFor stopped after the forks";
+  EXPECT_EQ(wrong.load(), 0) << "a ParallelFor of the parent summed wrong";
+  EXPECT_EQ(pool.live_workers(), 2) << "the workers must stay alive across the forks";
+  EXPECT_EQ(pool.stats().drain_timeouts, 0u);
+  EXPECT_GE(pool.stats().forks_drained, 20u);
+}
+
+// The drain waits for one grain of a ParallelFor, not for the whole loop: the pool's one worker
+// runs a helper through 1 ms grains while the calling thread is held in its first chunk (a gate
+// opened after the fork). Waiting for the helper's whole task would let it run every other chunk
+// first; parked between two chunks, the fork sees most of the loop still to do. After the fork
+// the helper resumes and the loop completes, each chunk once.
+TEST(ThreadPoolTest, AForkParksAParallelForHelperBetweenTwoGrains) {
+  ThreadPool pool(ThreadPoolOptions{1, "grains", 20000ms});
+  constexpr int64_t kChunks = 2000;
+  Gate caller_gate;
+  std::atomic<bool> fast{false};
+  std::atomic<int64_t> done{0}, helper_done{0};
+  std::vector<std::atomic<int>> hits(kChunks);
+  std::thread::id caller_id;
+  std::atomic<bool> caller_ready{false};
+  std::thread caller([&] {
+    caller_id = std::this_thread::get_id();
+    caller_ready = true;
+    pool.ParallelFor(0, kChunks, 1, [&](int64_t lo, int64_t hi) {
+      if (std::this_thread::get_id() == caller_id) {
+        caller_gate.WaitOpen();  // the caller's first chunk waits for the fork
+      } else {
+        if (!fast) std::this_thread::sleep_for(1ms);
+        ++helper_done;
+      }
+      for (int64_t i = lo; i < hi; ++i) hits[i].fetch_add(1);
+      ++done;
+    });
+  });
+  while (!caller_ready || helper_done < 3) std::this_thread::sleep_for(100us);
+  auto child = RunInChild(
+      [&] {
+        // The child's copy of the counter: the chunks done when the fork happened.
+        if (done.load() >= kChunks - 1) return 1;  // the fork waited for the helper's whole loop
+        std::atomic<int64_t> s{0};
+        pool.ParallelFor(0, 100, 10, [&](int64_t lo, int64_t hi) { s += hi - lo; });
+        return s == 100 ? 0 : 2;
+      },
+      30s);
+  fast = true;
+  caller_gate.Open();
+  caller.join();
+  EXPECT_TRUE(child.ok()) << "the drain waited for the whole ParallelFor: " << child.Describe();
+  EXPECT_EQ(done.load(), kChunks);
+  for (auto& h : hits) ASSERT_EQ(h.load(), 1);
+  EXPECT_EQ(pool.live_workers(), 1);
+  EXPECT_EQ(pool.stats().drain_timeouts, 0u);
+  EXPECT_TRUE(PreparedFully(AtForkRegistry::Get().LastReport()))
+      << AtForkRegistry::Get().LastReport().ToString();
+}
+
+// A helper that runs nested inside another task never parks mid-loop: the pool's one worker
+// runs a task that holds a user mutex and picks up another thread's ParallelFor helper (TryRunOne,
+// as TaskGroup::Wait and ParallelFor do from a worker). The fork comes while that helper runs
+// chunks; it must wait for the whole outer task, so the child never sees the mutex held.
+TEST(ThreadPoolTest, ANestedParallelForHelperIsNotParkedMidTask) {
+  ThreadPool pool(ThreadPoolOptions{1, "nested_helper", 20000ms});
+  static std::mutex user_mu;
+  constexpr int64_t kChunks = 200;
+  std::atomic<bool> outer_holds{false}, nested_ran{false};
+  std::atomic<int64_t> sum{0}, nested_chunks{0};
+  std::thread::id worker_id;
+  pool.Post([&] {
+    worker_id = std::this_thread::get_id();
+    std::lock_guard<std::mutex> lk(user_mu);
+    outer_holds = true;
+    // Wait (bounded) for the other thread's helper to be queued, then run it nested here.
+    const auto until = std::chrono::steady_clock::now() + 20s;
+    while (pool.queued() == 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(100us);
+    }
+    nested_ran = pool.TryRunOne();
+  });
+  while (!outer_holds) std::this_thread::sleep_for(100us);
+  std::thread caller([&] {
+    pool.ParallelFor(0, kChunks, 1, [&](int64_t lo, int64_t hi) {
+      std::this_thread::sleep_for(1ms);
+      if (std::this_thread::get_id() == worker_id) ++nested_chunks;
+      sum += hi - lo;
+    });
+  });
+  const auto until = std::chrono::steady_clock::now() + 20s;
+  while (nested_chunks < 2 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(100us);
+  }
+  auto child = RunInChild(
+      [] {
+        if (!user_mu.try_lock()) return 1;  // held by the worker's outer task at the fork
+        user_mu.unlock();
+        return 0;
+      },
+      30s);
+  caller.join();
+  pool.Wait();
+  EXPECT_TRUE(child.ok()) << "a nested helper parked with its outer task's mutex held: "
+                          << child.Describe();
+  EXPECT_TRUE(nested_ran.load());
+  EXPECT_GE(nested_chunks.load(), 2) << "the helper did not run nested on the worker";
+  EXPECT_EQ(sum.load(), kChunks);
+  EXPECT_EQ(pool.live_workers(), 1);
+}
+
+// A rolled-back attempt lets a helper parked between two grains go on, and the fork then goes
+// ahead: a handler prepared after the pool (so the pool is paused when it refuses) refuses the
+// first two attempts.
+TEST(ThreadPoolTest, ARolledBackAttemptResumesAParkedHelper) {
+  int handle;
+  AtForkHandler h;
+  h.name = "refuses_twice";
+  h.prepare = [](const PrepareAttempt& a) { return a.number > 2; };
+  AtForkRegistration reg(&handle, std::move(h));  // registered before the pool: prepared after
+  ThreadPool pool(ThreadPoolOptions{1, "rollback", 20000ms});
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> rounds{0}, wrong{0};
+  std::thread busy([&] {
+    while (!stop) {
+      std::atomic<int64_t> s{0};
+      pool.ParallelFor(0, 64, 1, [&](int64_t lo, int64_t hi) {
+        std::this_thread::sleep_for(200us);
+        s += hi - lo;
+      });
+      if (s != 64) ++wrong;
+      ++rounds;
+    }
+  });
+  while (rounds < 2) std::this_thread::sleep_for(100us);
+  auto child = RunInChild([] { return 0; }, 30s);
+  EXPECT_TRUE(child.ok()) << child.Describe();
+  const int64_t at_fork = rounds.load();
+  const auto until = std::chrono::steady_clock::now() + 20s;
+  while (rounds.load() < at_fork + 2 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(100us);
+  }
+  stop = true;
+  busy.join();
+  EXPECT_GE(rounds.load(), at_fork + 2);
+  EXPECT_EQ(wrong.load(), 0);
+  const ForkReport r = AtForkRegistry::Get().LastReport();
+  EXPECT_GE(r.attempts, 3) << r.ToString();
+  EXPECT_EQ(pool.live_workers(), 1);
+  EXPECT_EQ(pool.stats().drain_timeouts, 0u);
+}
+
+// Workers that ran oneTBB stay parked across a fork, and oneTBB is still finalized at that fork
+// (a live thread that holds oneTBB thread state makes finalize refuse; a worker drops that state
+// as it parks): an idle worker that ran oneTBB earlier, and a ParallelFor helper whose grains run
+// oneTBB, parked between two grains. The child can use oneTBB.
+TEST(ThreadPoolTest, WorkersThatRanOneTbbDoNotKeepItFromBeingFinalized) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "Debian's oneTBB is not built with ThreadSanitizer (tests/runtime/BUILD.bazel)";
+#endif
+  ThreadPool idle(ThreadPoolOptions{1, "tbb_idle", 20000ms});
+  ASSERT_EQ(idle.Submit([] { return forksafe::testing::TbbSum(100000); }).get(), 4999950000L);
+  ThreadPool busy(ThreadPoolOptions{1, "tbb_busy", 20000ms});
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> rounds{0}, wrong{0};
+  std::thread caller([&] {
+    while (!stop) {
+      busy.ParallelFor(0, 8, 1, [&](int64_t, int64_t) {
+        // oneTBB on the pool's worker only: a thread outside the pools that runs oneTBB keeps
+        // it from being finalized (runtime/tbb_fork.h, Hazards).
+        if (!ThreadPool::OnWorkerThread()) return;
+        if (forksafe::testing::TbbSum(20000) != 199990000L) ++wrong;
+      });
+      ++rounds;
+    }
+  });
+  while (rounds < 2) std::this_thread::sleep_for(100us);
+  const TbbForkStats before = GetTbbForkStats();
+  for (int i = 0; i < 5; ++i) {
+    auto child = RunInChild(
+        [] {
+          if (!TbbUsableInThisProcess()) return 1;
+          return forksafe::testing::TbbSum(1000) == 499500L ? 0 : 2;
+        },
+        30s);
+    EXPECT_TRUE(child.ok()) << "fork " << i << ": " << child.Describe();
+  }
+  stop = true;
+  caller.join();
+  const TbbForkStats after = GetTbbForkStats();
+  EXPECT_EQ(after.gave_up, before.gave_up) << "a parked worker kept oneTBB from being finalized";
+  EXPECT_GE(after.finalized, before.finalized + 5);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(idle.live_workers(), 1);
+  EXPECT_EQ(busy.live_workers(), 1);
+  EXPECT_EQ(idle.Submit([] { return forksafe::testing::TbbSum(1000); }).get(), 499500L);
 }
 
 }  // namespace
