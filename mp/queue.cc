@@ -12,10 +12,12 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "forksafe/mp/internal/queue_record.h"
+#include "forksafe/mp/internal/queue_spin.h"
 #include "forksafe/mp/internal/scm_rights.h"
 #include "forksafe/mp/internal/shared_segment.h"
 #include "forksafe/mp/internal/shm_sync.h"
@@ -86,6 +88,8 @@ struct Queue::State {
   // close() in this process; read by every operation without a lock (nothing else goes with it,
   // so an atomic, not a mutex).
   std::atomic<bool> closed{false};
+  // How long this process's getters spin before they sleep (mp/internal/queue_spin.h).
+  internal::GetterSpin spin;
 
   internal::QueueShared* hdr() const { return static_cast<internal::QueueShared*>(seg.data()); }
   char* ring() const { return static_cast<char*>(seg.data()) + sizeof(internal::QueueShared); }
@@ -262,9 +266,6 @@ void RingBell(int bell_w) noexcept {
   }
 }
 
-// How long a getter that finds the queue empty spins (yielding) before it sleeps on the bell.
-constexpr std::chrono::microseconds kSpinBeforeSleep{50};
-
 // After the queue's lock was recovered from a process that died holding it: that process may
 // have died between a commit of the ring (head or tail moved) and the count that goes with it,
 // so the count is taken again from the committed records, and a JoinableQueue's unfinished count
@@ -291,14 +292,19 @@ void LockQueue(internal::QueueShared* h, const char* ring, uint64_t cap) {
 // Called and returns with the queue's lock held. Returns after a ring, a signal, the deadline,
 // or when an item arrived during the spin.
 void SleepOnBell(internal::QueueShared* h, const char* ring, uint64_t cap, int bell_r,
-                 internal::Deadline deadline) {
-  // First a short spin, yielding, without the lock. Across two vCPUs the cost of a round trip was
-  // waking a vCPU that had gone idle (tens of microseconds on a VM, whatever the wake-up: futex,
-  // pipe or socket); a getter that yields for a few tens of microseconds keeps its vCPU busy, so
-  // the put that follows wakes nothing. On one CPU sched_yield() hands the CPU to the putter at
-  // once, so the spin adds no latency there (docs/performance.md has both).
+                 internal::Deadline deadline, internal::GetterSpin::Duration spin) {
+  // First a spin of `spin`, yielding, without the lock. Across two vCPUs the cost of a round trip
+  // was waking a vCPU that had gone idle (tens of microseconds on a VM, whatever the wake-up:
+  // futex, pipe or socket); a getter that yields until the item comes keeps its vCPU busy, so the
+  // put that follows wakes nothing. On one CPU sched_yield() hands the CPU to the putter at once,
+  // so the spin adds no latency there (docs/performance.md has both). How long: the adaptive rule
+  // of mp/internal/queue_spin.h (GetterSpin: about twice this process's recent wait for an item,
+  // 50 to 400 us; when the items come later than that but regularly, 50 us and a nap that ends
+  // just before the next item is expected), so that a getter whose items come later than 50 us
+  // (a tensor being made, a Python peer's turn) is awake when they come, and an idle one does not
+  // burn CPU.
   h->mu.Unlock();
-  auto spin_until = internal::Clock::now() + kSpinBeforeSleep;
+  auto spin_until = internal::Clock::now() + spin;
   if (deadline.has_value() && *deadline < spin_until) spin_until = *deadline;
   while (__atomic_load_n(&h->count, __ATOMIC_ACQUIRE) == 0 && internal::Clock::now() < spin_until) {
     sched_yield();
@@ -544,14 +550,39 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
   QueueLock lock(h, s.ring(), cap, deadline);
   if (!lock.held()) throw Empty("Queue::get: timed out waiting for the queue's lock");
   internal::QueueRecord rec;
+  // When this get found the queue empty (blocking gets only): how long it waited feeds the spin
+  // rule (mp/internal/queue_spin.h), whether an item came or the timeout passed.
+  std::optional<internal::Clock::time_point> waiting_since;
   for (;;) {
+    internal::GetterSpin::Wait plan{};
+    internal::Deadline nap_until;  // the planned nap's end, until it has passed
     while (h->count == 0) {
-      if (deadline.has_value() && internal::Clock::now() >= *deadline) {
+      const auto now = internal::Clock::now();
+      if (deadline.has_value() && now >= *deadline) {
+        if (waiting_since.has_value()) s.spin.Record(now - *waiting_since);
         throw Empty(
             block ? absl::StrCat("Queue::get: nothing arrived within ", timeout->count(), " s")
                   : std::string("Queue::get_nowait: the queue is empty"));
       }
-      SleepOnBell(h, s.ring(), cap, s.bell_r.get(), deadline);
+      auto spin = plan.spin;
+      if (!waiting_since.has_value()) {
+        waiting_since = now;
+        plan = s.spin.Next();
+        spin = plan.spin;
+        if (plan.nap > internal::GetterSpin::Duration::zero()) nap_until = now + plan.nap;
+      } else if (nap_until.has_value() && now >= *nap_until) {
+        nap_until.reset();  // the nap is over: spin around the moment the item is expected
+        spin = internal::GetterSpin::kMax;
+      }
+      internal::Deadline sleep_until = deadline;
+      if (nap_until.has_value() && (!deadline.has_value() || *nap_until < *deadline)) {
+        sleep_until = nap_until;
+      }
+      SleepOnBell(h, s.ring(), cap, s.bell_r.get(), sleep_until, spin);
+    }
+    if (waiting_since.has_value()) {
+      s.spin.Record(internal::Clock::now() - *waiting_since);
+      waiting_since.reset();
     }
     rec = internal::ParseQueueRecord(s.ring(), cap, h->head, h->tail, Connection::kMaxDescriptors);
     if (rec.nfds > 0 && rec.seq <= h->taken_seq) {
@@ -587,6 +618,10 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
   }
   return msg;
 }
+
+namespace internal {
+GetterSpin& GetterSpinOf(const Queue& q) { return q.Live("GetterSpinOf").spin; }
+}  // namespace internal
 
 uint64_t Queue::CarrierId() const { return Live("Queue::put").carrier; }
 

@@ -17,7 +17,6 @@
 
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -177,21 +176,16 @@ class PyQueue {
     }
   }
 
-  // `spin_s`: how long a blocking get that finds the queue empty first polls it (yielding the
-  // CPU, the GIL released) before the C++ get, which spins 50 us and then sleeps. A Python peer
-  // spends longer between its get and its reply than a C++ one: a getter that slept pays a
-  // wake-up (~100 us on a VM) per message (bench/peers, workload 1: 162 -> 56 us).
-  py::tuple Get(bool block, Seconds timeout, double spin_s) {
+  // `spin_s` is ignored (python/forksafe/multiprocessing/queues.py still passes one): a blocking
+  // get that finds the queue empty spins inside the C++ get, with the GIL released here, for as
+  // long as the queue's adaptive rule says (mp/internal/queue_spin.h: about twice the recent
+  // wait, 50 to 400 us, or a nap until shortly before a later item is expected). It learns a
+  // Python peer's longer turn by itself, which a fixed 200 us poll here used to cover
+  // (bench/peers, workload 1: 162 -> 56 us), without a second constant.
+  py::tuple Get(bool block, Seconds timeout, double /*spin_s*/) {
     Payload p;
     {
       py::gil_scoped_release nogil;
-      if (block && spin_s > 0 && q_.qsize() == 0) {
-        if (timeout.has_value()) spin_s = std::min(spin_s, std::max(0.0, *timeout));
-        const auto until = std::chrono::steady_clock::now() +
-                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                               std::chrono::duration<double>(spin_s));
-        while (q_.qsize() == 0 && std::chrono::steady_clock::now() < until) sched_yield();
-      }
       try {
         mp::Message m = q_.GetMessage(block, ToTimeout(timeout));
         p = DecodePayload(m);

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,9 +14,11 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/queue_spin.h"
 #include "forksafe/mp/process.h"
 #include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
@@ -454,6 +457,183 @@ TEST(QueueTest, SimpleQueue) {
   q.put(std::string("x"));
   EXPECT_FALSE(q.empty());
   EXPECT_EQ(q.get<std::string>(), "x");
+}
+
+// ---- The getter's adaptive spin (mp/internal/queue_spin.h) ---------------------------------
+
+using internal::GetterSpin;
+using Micros = std::chrono::microseconds;
+
+// CPU time (user + system) this thread has used so far.
+std::chrono::microseconds ThreadCpu() {
+  rusage ru{};
+  getrusage(RUSAGE_THREAD, &ru);
+  return std::chrono::seconds(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         Micros(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+}
+
+// Makes `q`'s getters in this process expect an item `wait` after they start waiting.
+void Train(const Queue& q, Micros wait) {
+  for (int i = 0; i < 20; ++i) internal::GetterSpinOf(q).Record(wait);
+}
+
+TEST(QueueSpinTest, TheRuleStaysWithinItsBoundsLearnsShortWaitsAndFallsBackWhenIdle) {
+  GetterSpin spin;
+  EXPECT_EQ(spin.Next().spin, GetterSpin::kMin) << "before any wait: the old fixed 50 us";
+  EXPECT_EQ(spin.Next().nap, GetterSpin::Duration::zero());
+  // Any sequence of waits, however odd (zero, negative from a clock step, hours): in bounds.
+  uint64_t x = 12345;
+  for (int i = 0; i < 20000; ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    const int64_t us = static_cast<int64_t>((x >> 33) % (i % 2 == 0 ? 3000 : 30000)) - 100;
+    spin.Record(i % 997 == 0 ? std::chrono::hours(5) : Micros(us));
+    const GetterSpin::Wait w = spin.Next();
+    ASSERT_GE(w.spin, GetterSpin::kMin);
+    ASSERT_LE(w.spin, GetterSpin::kMax);
+    ASSERT_GE(w.nap, GetterSpin::Duration::zero());
+    ASSERT_LT(w.nap, GetterSpin::kPredictMax);
+    if (w.nap > GetterSpin::Duration::zero()) ASSERT_EQ(w.spin, GetterSpin::kMin);
+  }
+  // Items that come ~100 us after the get starts waiting: spin about twice that, no nap.
+  for (int i = 0; i < 20; ++i) spin.Record(Micros(100));
+  EXPECT_GE(spin.Next().spin, Micros(190));
+  EXPECT_LE(spin.Next().spin, Micros(210));
+  EXPECT_EQ(spin.Next().nap, GetterSpin::Duration::zero());
+  // ~300 us: the spin is capped.
+  for (int i = 0; i < 20; ++i) spin.Record(Micros(300));
+  EXPECT_EQ(spin.Next().spin, GetterSpin::kMax);
+  // One long wait: the next spin is the floor at once.
+  spin.Record(std::chrono::milliseconds(5));
+  EXPECT_EQ(spin.Next().spin, GetterSpin::kMin);
+  // Items that come regularly later than any spin would wait (spins that keep ending in sleeps):
+  // the floor, not the cap, and a nap that ends kMax / 2 before the item is expected.
+  for (int i = 0; i < 20; ++i) spin.Record(Micros(1000));
+  EXPECT_EQ(spin.Next().spin, GetterSpin::kMin);
+  EXPECT_GE(spin.Next().nap, Micros(790));
+  EXPECT_LE(spin.Next().nap, Micros(810));
+  // One idle wait (longer than kPredictMax): the floor and no timer, whatever came before.
+  spin.Record(std::chrono::milliseconds(30));
+  EXPECT_EQ(spin.Next().spin, GetterSpin::kMin);
+  EXPECT_EQ(spin.Next().nap, GetterSpin::Duration::zero());
+  // Quick items bring the spin back.
+  for (int i = 0; i < 10; ++i) spin.Record(Micros(150));
+  EXPECT_GT(spin.Next().spin, GetterSpin::kMin);
+  EXPECT_EQ(spin.Next().nap, GetterSpin::Duration::zero());
+}
+
+// A getter that waits long on an empty queue sleeps: it does not spin for the whole wait, even
+// when its recent items came quickly enough to make its spin the longest, or regularly enough to
+// make it nap until the next one is expected. The wait still ends
+// on the put that comes, and its timeout is honoured.
+TEST(QueueSpinTest, AnIdleGetterSleepsAndStillWakesOnAPutAndAtItsTimeout) {
+  Queue q;
+  // Trained to spin the longest, and trained to nap until an item expected after 5 ms.
+  for (auto [trained, item_comes] :
+       {std::pair{Micros(300), false}, std::pair{Micros(300), true}, std::pair{Micros(5000), false},
+        std::pair{Micros(5000), true}}) {
+    Train(q, trained);
+    ASSERT_EQ(internal::GetterSpinOf(q).Next().spin,
+              trained < GetterSpin::kMax ? GetterSpin::kMax : GetterSpin::kMin);
+    std::thread putter;
+    if (item_comes) {
+      putter = std::thread([q]() mutable {
+        std::this_thread::sleep_for(200ms);
+        q.put(42);
+      });
+    }
+    const auto cpu0 = ThreadCpu();
+    const auto t0 = std::chrono::steady_clock::now();
+    if (item_comes) {
+      EXPECT_EQ(q.get<int>(true, 30.0), 42);
+    } else {
+      EXPECT_THROW(q.get<int>(true, 0.2), Empty);
+    }
+    const auto wall = std::chrono::steady_clock::now() - t0;
+    const auto cpu = ThreadCpu() - cpu0;
+    if (putter.joinable()) putter.join();
+    EXPECT_GE(wall, 190ms);
+    EXPECT_LT(cpu, wall * 3 / 10) << "the getter spun instead of sleeping: " << cpu.count()
+                                  << " us of CPU in "
+                                  << std::chrono::duration_cast<Micros>(wall).count() << " us";
+    EXPECT_EQ(internal::GetterSpinOf(q).Next().spin, GetterSpin::kMin)
+        << "after a long wait the next spin is short";
+    EXPECT_EQ(internal::GetterSpinOf(q).Next().nap, GetterSpin::Duration::zero());
+  }
+  // A timeout shorter than the spin is honoured: the spin stops at the deadline.
+  Train(q, Micros(300));
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THROW(q.get<int>(true, 0.0001), Empty);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, Micros(100));
+  EXPECT_THROW(q.get_nowait<int>(), Empty);
+}
+
+// Echoes each int back with the next wait its gets had learned (spin and nap, in ns), until it
+// gets -1.
+void EchoWithSpin(Queue in, Queue out) {
+  for (;;) {
+    const int v = in.get<int>(true, 30.0);
+    if (v < 0) return;
+    const GetterSpin::Wait w = internal::GetterSpinOf(in).Next();
+    out.put(std::make_tuple(v, static_cast<int64_t>(w.spin.count()),
+                            static_cast<int64_t>(w.nap.count())));
+  }
+}
+FORKSAFE_ENTRY_POINT(EchoWithSpin);
+
+// Across processes, with items paced from back to back to idle: every item arrives, the other
+// process's spin stays within its bounds, and after an idle gap it is short.
+TEST(QueueSpinTest, PacedItemsAcrossProcessesAllArriveAndTheSpinStaysInBounds) {
+  Queue to, from;
+  Process echo(ProcessOptions{"", false, "fork"}, &EchoWithSpin, to, from);
+  echo.start();
+  const Micros gaps[] = {Micros(0),   Micros(80),   Micros(150),
+                         Micros(300), Micros(1000), Micros(30000)};
+  int n = 0;
+  for (int round = 0; round < 3; ++round) {
+    for (Micros gap : gaps) {
+      for (int k = 0; k < 5; ++k, ++n) {
+        std::this_thread::sleep_for(gap);
+        to.put(n);
+        auto [v, spin_ns, nap_ns] = from.get<std::tuple<int, int64_t, int64_t>>(true, 30.0);
+        ASSERT_EQ(v, n);
+        ASSERT_GE(spin_ns, GetterSpin::kMin.count());
+        ASSERT_LE(spin_ns, GetterSpin::kMax.count());
+        ASSERT_GE(nap_ns, 0);
+        ASSERT_LT(nap_ns, GetterSpin::kPredictMax.count());
+        if (gap >= Micros(30000)) {
+          EXPECT_EQ(spin_ns, GetterSpin::kMin.count()) << "an idle getter's spin stayed long";
+          EXPECT_EQ(nap_ns, 0) << "an idle getter sets a timer";
+        }
+      }
+    }
+  }
+  to.put(-1);
+  ASSERT_TRUE(echo.join(30s));
+  EXPECT_EQ(echo.exitcode(), 0);
+}
+
+// A putter that dies in the middle of a paced stream leaves a getter that had learned a long
+// spin waiting: its get ends at its timeout, the spin falls back, and the queue works on.
+TEST(QueueSpinTest, APutterKilledMidStreamLeavesTheGetterSleepingNotSpinning) {
+  Queue q;
+  Process putter(ProcessOptions{"", false, "fork"}, [q]() mutable {
+    for (int i = 0;; ++i) {
+      q.put(i, true, 10.0);
+      std::this_thread::sleep_for(Micros(150));
+    }
+  });
+  putter.start();
+  for (int i = 0; i < 50; ++i) ASSERT_EQ(q.get<int>(true, 30.0), i);
+  putter.kill();
+  ASSERT_TRUE(putter.join(10s));
+  while (!q.empty()) q.get<int>(true, 5.0);
+  const auto cpu0 = ThreadCpu();
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THROW(q.get<int>(true, 0.2), Empty);
+  EXPECT_LT(ThreadCpu() - cpu0, (std::chrono::steady_clock::now() - t0) * 3 / 10);
+  EXPECT_EQ(internal::GetterSpinOf(q).Next().spin, GetterSpin::kMin);
+  q.put(7);
+  EXPECT_EQ(q.get<int>(true, 5.0), 7);
 }
 
 }  // namespace
