@@ -1,5 +1,6 @@
 #include "forksafe/device/cpu_backend.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -27,6 +28,21 @@ DeviceProperties CpuBackend::Properties(int index) const {
   return p;
 }
 
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+// FORKSAFE_CPU_HUGEPAGES=0 turns the huge-page placement off (the banner's trade-off); read once.
+bool HugePagesWanted() {
+  static const bool wanted = [] {
+    const char* v = std::getenv("FORKSAFE_CPU_HUGEPAGES");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return wanted;
+}
+
+}  // namespace
+
 void* CpuBackend::DoAllocate(int index, size_t bytes) {
   // Bounded before anything is reserved: rounding must not wrap (SIZE_MAX - 8 would become a
   // 0-byte block), and a size beyond physical memory + swap or the process's limits is refused
@@ -34,7 +50,16 @@ void* CpuBackend::DoAllocate(int index, size_t bytes) {
   const size_t rounded = runtime::internal::RoundUpOrThrow(bytes, kAlignment, "cpu: Allocate");
   runtime::internal::CheckMemoryAvailable(rounded, runtime::internal::MemoryUse::kPrivate,
                                           "cpu: Allocate");
-  void* p = std::aligned_alloc(kAlignment, rounded);
+  void* p = nullptr;
+  if (rounded >= kHugePageThreshold && HugePagesWanted()) {
+    // 2 MiB aligned and a whole number of 2 MiB pages, so that every page of the block can be a
+    // huge one; the advice is only a hint (EINVAL where the kernel has no THP: ignored).
+    const size_t huge = runtime::internal::RoundUpOrThrow(rounded, kHugePage, "cpu: Allocate");
+    p = std::aligned_alloc(kHugePage, huge);
+    if (p != nullptr) madvise(p, huge, MADV_HUGEPAGE);
+  } else {
+    p = std::aligned_alloc(kAlignment, rounded);
+  }
   if (p == nullptr) {
     throw runtime::Error(runtime::ErrorCode::kResourceExhausted,
                          absl::StrCat("cpu: could not allocate ", bytes,

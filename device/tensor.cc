@@ -1,5 +1,6 @@
 #include "forksafe/device/tensor.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -341,7 +342,15 @@ Tensor Tensor::Full(const std::vector<int64_t>& shape, double value, DType dtype
     staging.reset(new char[t.nbytes()]);
     dst = staging.get();
   }
-  for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * static_cast<int64_t>(isz), pattern, isz);
+  // One element, then the filled prefix copied onto the rest, doubling: log2(n) memcpy calls
+  // instead of one per element (64 MiB of float32: 30-40 ms per element, a memcpy's time so).
+  const size_t total = t.nbytes();
+  std::memcpy(dst, pattern, isz);
+  for (size_t filled = isz; filled < total;) {
+    const size_t step = std::min(filled, total - filled);
+    std::memcpy(dst + filled, dst, step);
+    filled += step;
+  }
   if (staging) HostToDevice(t.data_ptr(), device, staging.get(), t.nbytes());
   return t;
 }
