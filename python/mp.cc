@@ -176,13 +176,12 @@ class PyQueue {
     }
   }
 
-  // `spin_s` is ignored (python/forksafe/multiprocessing/queues.py still passes one): a blocking
-  // get that finds the queue empty spins inside the C++ get, with the GIL released here, for as
-  // long as the queue's adaptive rule says (mp/internal/queue_spin.h: about twice the recent
-  // wait, 50 to 400 us, or a nap until shortly before a later item is expected). It learns a
-  // Python peer's longer turn by itself, which a fixed 200 us poll here used to cover
-  // (bench/peers, workload 1: 162 -> 56 us), without a second constant.
-  py::tuple Get(bool block, Seconds timeout, double /*spin_s*/) {
+  // A blocking get that finds the queue empty spins inside the C++ get, with the GIL released
+  // here, for as long as the queue's adaptive rule says (mp/internal/queue_spin.h: about twice
+  // the recent wait, 50 to 400 us, or a nap until shortly before a later item is expected). It
+  // learns a Python peer's longer turn by itself, which a fixed 200 us poll here used to cover
+  // (bench/peers, workload 1: 162 -> 56 us).
+  py::tuple Get(bool block, Seconds timeout) {
     Payload p;
     {
       py::gil_scoped_release nogil;
@@ -299,8 +298,7 @@ void BindMp(py::module_& parent) {
            py::arg("ring_bytes") = size_t{1} << 20)
       .def("put", &PyQueue::Put, py::arg("pickle"), py::arg("tensors"), py::arg("fds"),
            py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
-      .def("get", &PyQueue::Get, py::arg("block") = true, py::arg("timeout") = py::none(),
-           py::arg("spin") = 0.0)
+      .def("get", &PyQueue::Get, py::arg("block") = true, py::arg("timeout") = py::none())
       .def("qsize", [](const PyQueue& q) { return q.queue().qsize(); })
       .def("empty", [](const PyQueue& q) { return q.queue().empty(); })
       .def("full", [](const PyQueue& q) { return q.queue().full(); })

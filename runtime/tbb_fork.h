@@ -26,8 +26,9 @@
 //   every thread that ran a oneTBB algorithm keeps one until it exits (measured with oneTBB
 //   2021.8: a std::thread that loops over parallel_reduce made 299 of 300 forks give up). Run
 //   oneTBB algorithms from forksafe pool workers (ThreadPool::Submit) or from the thread that
-//   forks: the pool's drain joins its workers, which drops their references, so oneTBB is
-//   quiesced on every fork (300 of 300 in tests/device/fork_storm_test).
+//   forks: the pool's drain parks its workers, and a parking worker that ran oneTBB first drops
+//   its thread state (its reference), so oneTBB is quiesced on every fork (300 of 300 in
+//   tests/device/fork_storm_test).
 //
 // Hazard: a thread outside forksafe that *starts* using oneTBB during a fork
 //   finalize() runs in prepare; fork() happens a moment later. A foreign thread that makes its
@@ -42,7 +43,8 @@
 // Hazard: detached workers (the cause of a child hung in tbbmalloc; fixed)
 //   oneTBB joins its workers only when a blocking finalize drops the last reference to its
 //   scheduler. When the last reference goes away with a thread that exits (a pool worker that ran
-//   an algorithm and that the pool's drain ends), oneTBB shuts its workers down detached: they
+//   an algorithm and ended; until issue 19 the pool's drain ended its workers), oneTBB shuts its
+//   workers down detached: they
 //   exit by themselves a moment later, returning their caches to tbbmalloc under tbbmalloc's
 //   locks. Until 2026-11-22 the handle was attached only inside prepare, after the pools had
 //   drained, so that happened on most forks; a fork in that moment handed the child a held

@@ -323,6 +323,12 @@ def main():
         ("bd_sum_serial", "2000 x 4 KiB", "the 2,000 sums alone, serially (torch's and "
          "numpy's: next table)", "workload 3"),
         ("bd_sum_serial", "500 x 1 MiB", "the 500 sums alone, serially", "workload 3"),
+        ("bd_sum_parallel", "500 x 1 MiB", "the 500 sums on two threads of one process (the "
+         "memory bandwidth two CPUs really get)", "workload 3"),
+        ("bd_poolmap_chunksize", "500 x 1 MiB, chunksize 1", "workload 3 with chunksize 1 "
+         "(one task per tensor)", "workload 3"),
+        ("bd_poolmap_chunksize", "500 x 1 MiB, chunksize 16", "workload 3 with chunksize 16",
+         "workload 3"),
         ("bd_spawn_fork_blocking_join", "start=fork", "spawn(nprocs=2, join=false) + blocking "
          "Process::join of each", "workload 4 (fork)"),
         ("bd_failure_blocking_join", "start=fork", "failure → error with the parent blocked on "

@@ -68,10 +68,11 @@ def now_us():
 
 
 class Emitter:
-    def __init__(self, system, rnd, suffix=""):
+    def __init__(self, system, rnd, suffix="", only=()):
         self.system = system
         self.round = rnd
         self.suffix = suffix  # appended to every param (" [1 CPU]" for the pinned runs)
+        self.only = list(only)  # --only's prefixes: guard() runs only the workloads they name
 
     def _head(self, workload, param):
         return {"system": self.system, "round": self.round, "workload": workload,
@@ -96,6 +97,8 @@ class Emitter:
               file=sys.stderr, flush=True)
 
     def guard(self, workload, param, fn):
+        if self.only and not any(workload.startswith(o) for o in self.only):
+            return
         try:
             fn()
         except Exception as e:  # reported as an error line; the run goes on
@@ -110,7 +113,9 @@ def parse_args():
     ap.add_argument("--suffix", default="")
     a = ap.parse_args()
     a.only = [o for o in a.only.split(",") if o]
-    a.wants = lambda w: not a.only or any(w.startswith(o) for o in a.only)
+    # A group ("w2") is wanted when a prefix names it or one of its members ("w2_fresh"), as in
+    # harness.h's Args::Wants; Emitter.guard then runs only the members named.
+    a.wants = lambda w: not a.only or any(w.startswith(o) or o.startswith(w) for o in a.only)
     return a
 
 

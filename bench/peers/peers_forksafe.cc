@@ -581,6 +581,70 @@ void SerialSum(const peers::Emitter& out, const peers::Plan& plan, int count, in
               samples);
 }
 
+// Workload 3's sums on two threads of one process (each takes the next tensor from a shared
+// counter): the compute floor with the machine's real memory bandwidth for two CPUs, which
+// bd_sum_serial / 2 assumes to double.
+void ParallelSum(const peers::Emitter& out, const peers::Plan& plan, int count, int64_t bytes) {
+  const int64_t n = bytes / 4;
+  std::vector<Tensor> inputs;
+  for (int i = 0; i < count; ++i) {
+    inputs.push_back(forksafe::mp::SharedEmpty({n}));
+    std::fill_n(F32(inputs.back()), n, static_cast<float>(i % 7));
+  }
+  auto samples = peers::Measure(plan, [&](int) {
+    std::atomic<int> next{0};
+    std::vector<double> totals(2, 0.0);
+    auto work = [&](int k) {
+      double total = 0;
+      for (int i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+        total += TensorSum(inputs[i]);
+      }
+      totals[k] = total;
+    };
+    const auto t0 = Clock::now();
+    std::thread other(work, 1);
+    work(0);
+    other.join();
+    const double us = Us(Clock::now() - t0);
+    if (totals[0] + totals[1] <= 0) throw std::runtime_error("sum");
+    return us;
+  });
+  out.Samples("bd_sum_parallel", std::to_string(count) + " x " + peers::SizeName(bytes), bytes,
+              plan, samples);
+}
+
+// Workload 3 with a given chunksize (workload 3 itself lets map pick: about 4 chunks per
+// worker): chunksize 1 shows what per-task dispatch costs against the tail imbalance of large
+// chunks.
+void PoolMapChunked(const peers::Emitter& out, const peers::Plan& plan, int count, int64_t bytes,
+                    int chunksize) {
+  const int64_t n = bytes / 4;
+  std::vector<Tensor> inputs;
+  std::vector<double> expected;
+  for (int i = 0; i < count; ++i) {
+    inputs.push_back(forksafe::mp::SharedEmpty({n}));
+    std::fill_n(F32(inputs.back()), n, static_cast<float>(i % 7));
+    expected.push_back(static_cast<double>(n) * (i % 7));
+  }
+  PoolOptions o;
+  o.processes = 2;
+  o.start_method = "fork";
+  Pool pool(o);
+  auto samples = peers::Measure(plan, [&](int) {
+    const auto t0 = Clock::now();
+    std::vector<double> sums = pool.map(&TensorSum, inputs, chunksize);
+    const double us = Us(Clock::now() - t0);
+    if (sums != expected) throw std::runtime_error("pool map: wrong sums");
+    return us;
+  });
+  pool.close();
+  pool.join(10.0);
+  out.Samples("bd_poolmap_chunksize",
+              std::to_string(count) + " x " + peers::SizeName(bytes) + ", chunksize " +
+                  std::to_string(chunksize),
+              bytes, plan, samples);
+}
+
 // A throw caught in-process: what a failing child pays before it reports (forksafe's throw hook
 // records the stack at every throw).
 void ThrowCatch(const peers::Emitter& out, const peers::Plan& plan) {
@@ -687,6 +751,12 @@ int main(int argc, char** argv) {
               [&] { SerialSum(out, plan("w3_poolmap"), 2000, 4 << 10); });
     out.Guard("bd_sum_serial", "500 x 1 MiB",
               [&] { SerialSum(out, plan("w3_poolmap"), 500, 1 << 20); });
+    out.Guard("bd_sum_parallel", "500 x 1 MiB",
+              [&] { ParallelSum(out, plan("w3_poolmap"), 500, 1 << 20); });
+    for (int cs : {1, 16}) {
+      out.Guard("bd_poolmap_chunksize", "500 x 1 MiB, chunksize " + std::to_string(cs),
+                [&] { PoolMapChunked(out, plan("w3_poolmap"), 500, 1 << 20, cs); });
+    }
     out.Guard("bd_spawn_fork_blocking_join", "start=fork",
               [&] { Spawn2BlockingJoin(out, plan("w4_spawn_fork")); });
     out.Guard("bd_failure_blocking_join", "start=fork",

@@ -339,7 +339,7 @@ def busy_fork(out, plan):
 def main():
     args = peerlib.parse_args()
     plans = peerlib.load_plan(args.plan)
-    out = peerlib.Emitter(SYSTEM, args.round, args.suffix)
+    out = peerlib.Emitter(SYSTEM, args.round, args.suffix, args.only)
     if args.wants("w1"):
         for b in peerlib.SIZES:
             out.guard("w1_roundtrip", peerlib.size_name(b),

@@ -337,7 +337,7 @@ FORKSAFE_LOADED = "forksafe loaded (libforksafe.so)"
 def main():
     args = peerlib.parse_args()
     plans = peerlib.load_plan(args.plan)
-    out = peerlib.Emitter(SYSTEM, args.round, args.suffix)
+    out = peerlib.Emitter(SYSTEM, args.round, args.suffix, args.only)
     if args.wants("w1"):
         for b in peerlib.SIZES:
             out.guard("w1_roundtrip", peerlib.size_name(b),

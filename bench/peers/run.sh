@@ -154,8 +154,9 @@ for ((ROUND = 1; ROUND <= ROUNDS; ROUND++)); do
       PEERS_CHILD_CPU=$child_cpu run floor 30 taskset -c 0 $(system_cmd floor) "${args[@]}" \
         --only floor_pingpong,floor_futex_pingpong --suffix " [$placement]"
       for s in "${order[@]}"; do
-        w1only=w1,w2
-        [ "$s" = forksafe ] && w1only=w1,w2,bd_queue_string
+        # w2_create_send is not repeated pinned: its creation and fill, not a wake-up, decide it.
+        w1only=w1,w2_fresh
+        [ "$s" = forksafe ] && w1only=w1,w2_fresh,bd_queue_string
         PEERS_CHILD_CPU=$child_cpu run "$s" 60 taskset -c 0 $(system_cmd "$s") "${args[@]}" \
           --only "$w1only" --suffix " [$placement]"
       done

@@ -19,10 +19,6 @@ _mp = _forksafe.mp
 
 __all__ = ["Queue", "SimpleQueue", "JoinableQueue"]
 
-# How long a blocking get polls an empty queue before sleeping (bench/peers workload 1: a round
-# trip between two Python processes, 162 us without, 56 us with 100 us; docs/python.md).
-GET_SPIN_S = 200e-6
-
 
 class Queue(Shareable):
     """A FIFO queue between processes (multiprocessing.Queue). ``maxsize <= 0``: no limit but
@@ -47,9 +43,10 @@ class Queue(Shareable):
 
     def get(self, block=True, timeout=None):
         """Removes and returns the oldest item; queue.Empty when there is none in time. A
-        blocking get on an empty queue polls it for up to GET_SPIN_S (the GIL released) before
-        it sleeps: a reply that comes within that costs no wake-up."""
-        data, tensors, fds = self._handle.get(block, timeout if block else None, GET_SPIN_S)
+        blocking get on an empty queue waits with the GIL released, spinning first for as long
+        as the queue's adaptive rule says (mp/internal/queue_spin.h), so that a reply that comes
+        soon costs no wake-up."""
+        data, tensors, fds = self._handle.get(block, timeout if block else None)
         return loads(data, tensors, fds)
 
     def put_nowait(self, obj):
