@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -395,6 +397,64 @@ TEST(TensorTest, ZerosAndFullOnCpuAndSim) {
               std::vector<uint16_t>(2, 0x3F80));
     EXPECT_EQ(Tensor::Zeros({0, 5}, DType::kFloat32, d).ToVector<float>(), std::vector<float>{});
   }
+}
+
+// Full fills by doubling copies of the first element: every element of every size is the value,
+// sizes that are not powers of two included.
+TEST(TensorTest, FullFillsEveryElementOfOddSizes) {
+  for (int64_t n : {1, 2, 3, 7, 1000, 1000003}) {
+    const std::vector<int64_t> ints =
+        Tensor::Full({n}, -5, DType::kInt64, kCPU).ToVector<int64_t>();
+    ASSERT_EQ(static_cast<int64_t>(ints.size()), n);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(ints[i], -5) << "n " << n << " at " << i;
+    const std::vector<uint8_t> bytes =
+        Tensor::Full({n}, 9, DType::kUInt8, kSim0).ToVector<uint8_t>();
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(bytes[i], 9) << "n " << n << " at " << i;
+  }
+}
+
+// Reads the line "<key>: <value>" of the /proc/self/smaps entry of the mapping that holds `p`.
+std::optional<std::string> SmapsField(const void* p, const std::string& key) {
+  FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (f == nullptr) return std::nullopt;
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  char line[512];
+  bool inside = false;
+  std::optional<std::string> out;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && std::strchr(line, '-') != nullptr &&
+        std::strncmp(line, key.c_str(), key.size()) != 0) {
+      inside = addr >= lo && addr < hi;
+      continue;
+    }
+    if (inside && std::strncmp(line, (key + ":").c_str(), key.size() + 1) == 0) {
+      out = std::string(line + key.size() + 1);
+      break;
+    }
+  }
+  std::fclose(f);
+  return out;
+}
+
+// A CPU block of CpuBackend::kHugePageThreshold or more is 2 MiB aligned and advised as huge
+// pages (device/cpu_backend.h): the kernel reports its mapping THP-eligible.
+TEST(TensorTest, LargeCpuTensorsAreEligibleForHugePages) {
+  std::string mode;
+  if (FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r")) {
+    char buf[128] = {};
+    if (std::fgets(buf, sizeof buf, f) != nullptr) mode = buf;
+    std::fclose(f);
+  }
+  if (mode.empty() || mode.find("[never]") != std::string::npos) {
+    GTEST_SKIP() << "transparent huge pages are off or absent on this kernel (" << mode << ")";
+  }
+  Tensor big = Tensor::Full({int64_t{8} << 20 >> 2}, 1.0, DType::kFloat32, kCPU);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(big.data_ptr()) % (uintptr_t{2} << 20), 0u);
+  const std::optional<std::string> eligible = SmapsField(big.data_ptr(), "THPeligible");
+  if (!eligible) GTEST_SKIP() << "this kernel's smaps has no THPeligible field";
+  EXPECT_EQ(std::stoi(*eligible), 1) << "the 8 MiB block's mapping is not THP-eligible";
+  EXPECT_EQ(big.ToVector<float>().back(), 1.0f);
 }
 
 TEST(TensorTest, FromVectorOnCpuAndSim) {
