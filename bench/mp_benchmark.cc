@@ -210,13 +210,17 @@ void BM_FreshTensorSend(benchmark::State& state) {
   Queue to, from;
   Process p(ProcessOptions{"", false, "fork"}, &TensorAck, to, from);
   p.start();
-  const auto a0 = forksafe::mp::internal::SharedArena::Get().stats();
-  for (auto _ : state) {
+  auto send = [&] {
     auto t = forksafe::device::Tensor::Empty({n}, forksafe::device::DType::kFloat32,
                                              forksafe::device::kCPU);
     to.put(t);  // moves it to shared memory, sends the handle
     benchmark::DoNotOptimize(from.get<int>());
-  }
+  };
+  // Untimed warm-up: the first sends of a new receiver create and map the segments (a 64 MiB one
+  // takes a whole repetition on a VM with slow page faults, which would then time one cold send).
+  for (int i = 0; i < 3; ++i) send();
+  const auto a0 = forksafe::mp::internal::SharedArena::Get().stats();
+  for (auto _ : state) send();
   const auto a1 = forksafe::mp::internal::SharedArena::Get().stats();
   state.counters["large_reuse"] =
       benchmark::Counter(static_cast<double>(a1.large_segments_reused - a0.large_segments_reused),
@@ -244,7 +248,7 @@ void BM_BornSharedSend(benchmark::State& state) {
   Queue to, from;
   Process p(ProcessOptions{"", false, "fork"}, &TensorAck, to, from);
   p.start();
-  for (auto _ : state) {
+  auto send = [&] {
     forksafe::device::Tensor t;
     {
       BornSharedScope born;
@@ -253,7 +257,9 @@ void BM_BornSharedSend(benchmark::State& state) {
     }
     to.put(t);  // already shared: sends the handle
     benchmark::DoNotOptimize(from.get<int>());
-  }
+  };
+  for (int i = 0; i < 3; ++i) send();  // untimed warm-up, as in BM_FreshTensorSend
+  for (auto _ : state) send();
   to.put(forksafe::device::Tensor::Empty({0}, forksafe::device::DType::kFloat32,
                                          forksafe::device::kCPU));
   p.join(10.0);
