@@ -115,8 +115,9 @@ void BM_RuntimeForkIdle(benchmark::State& state) {
 // The headline: each iteration makes one bare fork and one fork through the idle runtime, back
 // to back, timing each, so machine drift and noise hit both alike. Reports both means and their
 // ratio (target: <= 1.2).
-void BM_PairedBareVsRuntime(benchmark::State& state) {
-  SetUpRuntime();
+// Each iteration: one bare fork (forksafe's callbacks bypassed) and one fork through the runtime,
+// back to back, children exiting at once. Reports both means and their ratio as `ratio_name`.
+void TimePairedForks(benchmark::State& state, const char* ratio_name) {
   using Clock = std::chrono::steady_clock;
   Clock::duration bare{}, runtime{};
   for (auto _ : state) {
@@ -139,7 +140,12 @@ void BM_PairedBareVsRuntime(benchmark::State& state) {
   const double runtime_us = std::chrono::duration<double, std::micro>(runtime).count() / n;
   state.counters["bare_us"] = bare_us;
   state.counters["runtime_us"] = runtime_us;
-  state.counters["ratio"] = runtime_us / bare_us;
+  state.counters[ratio_name] = runtime_us / bare_us;
+}
+
+void BM_PairedBareVsRuntime(benchmark::State& state) {
+  SetUpRuntime();
+  TimePairedForks(state, "ratio");
 }
 BENCHMARK(BM_PairedBareVsRuntime)->UseRealTime()->MinTime(1.0)->Repetitions(5);
 
@@ -218,29 +224,7 @@ class BusyParallelFor {
 void BM_PairedBareVsBusyParallelFor(benchmark::State& state) {
   SetUpRuntime();
   BusyParallelFor busy;
-  using Clock = std::chrono::steady_clock;
-  Clock::duration bare{}, runtime{};
-  for (auto _ : state) {
-    forksafe::runtime::internal::SetAtForkBypassForBenchmark(true);
-    auto t0 = Clock::now();
-    pid_t pid = fork();
-    if (pid == 0) _exit(0);
-    WaitOrDie(pid, state);
-    auto t1 = Clock::now();
-    forksafe::runtime::internal::SetAtForkBypassForBenchmark(false);
-    pid = fork();
-    if (pid == 0) _exit(0);
-    WaitOrDie(pid, state);
-    auto t2 = Clock::now();
-    bare += t1 - t0;
-    runtime += t2 - t1;
-  }
-  const double n = static_cast<double>(state.iterations());
-  const double bare_us = std::chrono::duration<double, std::micro>(bare).count() / n;
-  const double runtime_us = std::chrono::duration<double, std::micro>(runtime).count() / n;
-  state.counters["bare_us"] = bare_us;
-  state.counters["runtime_us"] = runtime_us;
-  state.counters["busy_ratio"] = runtime_us / bare_us;
+  TimePairedForks(state, "busy_ratio");
 }
 BENCHMARK(BM_PairedBareVsBusyParallelFor)->UseRealTime()->MinTime(1.0)->Repetitions(3);
 

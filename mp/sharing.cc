@@ -113,8 +113,7 @@ device::Storage NewSharedStorage(size_t bytes) {
 // The device layer's born-shared hook (StorageSharing::allocate_host): declines unless the
 // opt-in is on for this thread.
 bool AllocateBornShared(size_t nbytes, device::Storage* out) {
-  const int scope = t_born_scope;
-  if (scope == 0 || (scope < 0 && !g_born_shared.load(std::memory_order_relaxed))) return false;
+  if (!tensors_born_shared()) return false;
   *out = NewSharedStorage(nbytes);
   return true;
 }

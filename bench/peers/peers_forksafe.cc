@@ -102,20 +102,34 @@ void TensorAck(Queue in, Queue out) {
   }
 }
 
-void FreshSend(const peers::Emitter& out, const peers::Plan& plan, int64_t bytes) {
+// Workload 2: a fresh tensor per iteration, sent to TensorAck. With `timed_creation` false the
+// tensor is private and filled untimed, and the timed part is share_memory_() + put + the child's
+// ack ("w2_fresh"). With it true, creation and fill are timed too and the tensor is born shared
+// (mp::BornSharedScope: allocated in the shared arena, so the send moves no bytes;
+// "w2_create_send"): the peers time torch.full / np.full + put the same way, so what born-shared
+// moved into creation stays visible.
+void FreshSend(const peers::Emitter& out, const peers::Plan& plan, int64_t bytes,
+               bool timed_creation) {
   const int64_t n = bytes / 4;
   Queue to, from;
   Process p(kFork, &TensorAck, to, from);
   p.start();
   const auto a0 = forksafe::mp::internal::SharedArena::Get().stats();
-  std::vector<double> share_us, put_us, ack_us;  // put() returns once the handle is queued
+  std::vector<double> first_us, put_us, ack_us;  // put() returns once the handle is queued
   auto samples = peers::Measure(plan, [&](int i) {
-    // A fresh private tensor, filled (untimed): the timed part is put + the child's ack.
-    Tensor t = Tensor::Full({n}, static_cast<double>(i));
-    const auto t0 = Clock::now();
-    // put() would move it into shared memory itself; done explicitly here only to time the two
-    // steps apart (the same work either way).
-    forksafe::mp::share_memory_(t);
+    Tensor t;
+    Clock::time_point t0;
+    if (timed_creation) {
+      t0 = Clock::now();
+      forksafe::mp::BornSharedScope born;
+      t = Tensor::Full({n}, static_cast<double>(i));
+    } else {
+      t = Tensor::Full({n}, static_cast<double>(i));
+      t0 = Clock::now();
+      // put() would move it into shared memory itself; done explicitly here only to time the two
+      // steps apart (the same work either way).
+      forksafe::mp::share_memory_(t);
+    }
     const auto t1 = Clock::now();
     to.put(t);  // sends the handle
     const auto t2 = Clock::now();
@@ -123,7 +137,7 @@ void FreshSend(const peers::Emitter& out, const peers::Plan& plan, int64_t bytes
     const auto t3 = Clock::now();
     if (ack != 2.0 * i) throw std::runtime_error("fresh send: wrong acknowledgement");
     if (i >= plan.warmup) {
-      share_us.push_back(Us(t1 - t0));
+      first_us.push_back(Us(t1 - t0));
       put_us.push_back(Us(t2 - t1));
       ack_us.push_back(Us(t3 - t2));
     }
@@ -143,61 +157,11 @@ void FreshSend(const peers::Emitter& out, const peers::Plan& plan, int64_t bytes
            static_cast<unsigned long long>(a.large_segments_reused - a0.large_segments_reused));
   char phases[160];
   snprintf(phases, sizeof phases,
-           "\"phases_us\": {\"share_memory_\": %.1f, \"put\": %.1f, \"until_ack\": %.1f}",
-           peers::Median(share_us), peers::Median(put_us), peers::Median(ack_us));
-  out.Samples("w2_fresh", peers::SizeName(bytes), bytes, plan, samples, {arena, phases});
-}
-
-// Workload 2 with creation in the timed part: creation + fill + put + the child's ack, the tensor
-// born shared (mp::BornSharedScope: allocated in the shared arena, so the send moves no bytes).
-// The peers time torch.full / np.full + put the same way: what born-shared moved into creation
-// stays visible.
-void CreateSend(const peers::Emitter& out, const peers::Plan& plan, int64_t bytes) {
-  const int64_t n = bytes / 4;
-  Queue to, from;
-  Process p(kFork, &TensorAck, to, from);
-  p.start();
-  const auto a0 = forksafe::mp::internal::SharedArena::Get().stats();
-  std::vector<double> create_us, put_us, ack_us;
-  auto samples = peers::Measure(plan, [&](int i) {
-    const auto t0 = Clock::now();
-    Tensor t;
-    {
-      forksafe::mp::BornSharedScope born;
-      t = Tensor::Empty({n}, DType::kFloat32, forksafe::device::kCPU);
-    }
-    // Filled with a vectorized loop, as torch.full and np.full fill (Tensor::Full copies the value
-    // element by element, several times slower at 64 MiB).
-    std::fill_n(F32(t), n, static_cast<float>(i));
-    const auto t1 = Clock::now();
-    to.put(t);
-    const auto t2 = Clock::now();
-    const double ack = from.get<double>();
-    const auto t3 = Clock::now();
-    if (ack != 2.0 * i) throw std::runtime_error("create + send: wrong acknowledgement");
-    if (i >= plan.warmup) {
-      create_us.push_back(Us(t1 - t0));
-      put_us.push_back(Us(t2 - t1));
-      ack_us.push_back(Us(t3 - t2));
-    }
-    return Us(t3 - t0);
-  });
-  to.put(Stop());
-  p.join(10.0);
-  const auto a = forksafe::mp::internal::SharedArena::Get().stats();
-  char arena[240];
-  snprintf(arena, sizeof arena,
-           "\"arena\": {\"blocks_allocated\": %llu, \"blocks_reused\": %llu, "
-           "\"segments_created\": %llu, \"large_segments_reused\": %llu}",
-           static_cast<unsigned long long>(a.blocks_allocated - a0.blocks_allocated),
-           static_cast<unsigned long long>(a.blocks_reused - a0.blocks_reused),
-           static_cast<unsigned long long>(a.segments_created - a0.segments_created),
-           static_cast<unsigned long long>(a.large_segments_reused - a0.large_segments_reused));
-  char phases[160];
-  snprintf(phases, sizeof phases,
-           "\"phases_us\": {\"create_fill\": %.1f, \"put\": %.1f, \"until_ack\": %.1f}",
-           peers::Median(create_us), peers::Median(put_us), peers::Median(ack_us));
-  out.Samples("w2_create_send", peers::SizeName(bytes), bytes, plan, samples, {arena, phases});
+           "\"phases_us\": {\"%s\": %.1f, \"put\": %.1f, \"until_ack\": %.1f}",
+           timed_creation ? "create_fill" : "share_memory_", peers::Median(first_us),
+           peers::Median(put_us), peers::Median(ack_us));
+  out.Samples(timed_creation ? "w2_create_send" : "w2_fresh", peers::SizeName(bytes), bytes, plan,
+              samples, {arena, phases});
 }
 
 // ---- 3. Pool(2).map of a reduction over tensors ----------------------------------------------
@@ -713,12 +677,13 @@ int main(int argc, char** argv) {
   if (args.Wants("w2")) {
     for (int64_t b : peers::kSizes) {
       if (!args.WantsSize(b)) continue;
-      out.Guard("w2_fresh", peers::SizeName(b), [&] { FreshSend(out, plan("w2_fresh"), b); });
+      out.Guard("w2_fresh", peers::SizeName(b),
+                [&] { FreshSend(out, plan("w2_fresh"), b, false); });
     }
     for (int64_t b : peers::kSizes) {
       if (!args.WantsSize(b)) continue;
       out.Guard("w2_create_send", peers::SizeName(b),
-                [&] { CreateSend(out, plan("w2_fresh"), b); });
+                [&] { FreshSend(out, plan("w2_fresh"), b, true); });
     }
   }
   if (args.Wants("w3")) {

@@ -99,7 +99,10 @@ def array_ack(inq, outq):
         outq.put(float(a[0]) + float(a[-1]))
 
 
-def fresh_send(out, plan, nbytes):
+def fresh_send(out, plan, nbytes, timed_creation=False):
+    """Workload 2: a fresh tensor per iteration, sent to the acknowledging child. With
+    `timed_creation`, np.full is timed too ("w2_create_send"; forksafe's C++ program makes its
+    tensor born shared there); otherwise only put + the child's ack ("w2_fresh")."""
     n = nbytes // 4
     ctx = mp.get_context("fork")
     to, frm = ctx.Queue(), ctx.Queue()
@@ -107,8 +110,10 @@ def fresh_send(out, plan, nbytes):
     p.start()
 
     def it(i):
-        a = np.full(n, i, np.float32)  # fresh, private, filled (untimed)
         t0 = now_us()
+        a = np.full(n, i, np.float32)  # fresh, private, filled
+        if not timed_creation:
+            t0 = now_us()
         to.put(a)  # the feeder thread pickles it into the pipe
         ack = frm.get()
         us = now_us() - t0
@@ -119,31 +124,8 @@ def fresh_send(out, plan, nbytes):
     samples = peerlib.measure(plan, it)
     to.put(None)
     p.join(10)
-    out.samples("w2_fresh", peerlib.size_name(nbytes), nbytes, plan, samples)
-
-
-def create_send(out, plan, nbytes):
-    """Workload 2 with creation in the timed part: np.full + put + the child's ack."""
-    n = nbytes // 4
-    ctx = mp.get_context("fork")
-    to, frm = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=array_ack, args=(to, frm))
-    p.start()
-
-    def it(i):
-        t0 = now_us()
-        a = np.full(n, i, np.float32)
-        to.put(a)
-        ack = frm.get()
-        us = now_us() - t0
-        if ack != 2.0 * i:
-            raise RuntimeError("create + send: wrong acknowledgement")
-        return us
-
-    samples = peerlib.measure(plan, it)
-    to.put(None)
-    p.join(10)
-    out.samples("w2_create_send", peerlib.size_name(nbytes), nbytes, plan, samples)
+    out.samples("w2_create_send" if timed_creation else "w2_fresh", peerlib.size_name(nbytes),
+                nbytes, plan, samples)
 
 
 # ---- 3. Pool(2).map of a reduction over arrays ----------------------------------------------------
@@ -350,7 +332,7 @@ def main():
                       lambda: fresh_send(out, plans["w2_fresh"], b))
         for b in peerlib.SIZES:
             out.guard("w2_create_send", peerlib.size_name(b),
-                      lambda: create_send(out, plans["w2_fresh"], b))
+                      lambda: fresh_send(out, plans["w2_fresh"], b, True))
     if args.wants("w3"):
         out.guard("w3_poolmap", "2000 x 4 KiB",
                   lambda: pool_map(out, plans["w3_poolmap"], 2000, 4 * peerlib.KIB))

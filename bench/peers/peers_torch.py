@@ -82,7 +82,10 @@ def tensor_ack(inq, outq):
         del t
 
 
-def fresh_send(out, plan, nbytes):
+def fresh_send(out, plan, nbytes, timed_creation=False):
+    """Workload 2: a fresh tensor per iteration, sent to the acknowledging child. With
+    `timed_creation`, torch.full is timed too ("w2_create_send"; forksafe's C++ program makes its
+    tensor born shared there); otherwise only put + the child's ack ("w2_fresh")."""
     n = nbytes // 4
     ctx = tmp.get_context("fork")
     to, frm = ctx.Queue(), ctx.Queue()
@@ -90,8 +93,10 @@ def fresh_send(out, plan, nbytes):
     p.start()
 
     def it(i):
-        t = torch.full((n,), float(i))  # fresh, private, filled (untimed)
         t0 = now_us()
+        t = torch.full((n,), float(i))  # fresh, private, filled
+        if not timed_creation:
+            t0 = now_us()
         to.put(t)  # the feeder thread moves it to shared memory and sends the handle
         ack = frm.get()
         us = now_us() - t0
@@ -102,32 +107,8 @@ def fresh_send(out, plan, nbytes):
     samples = peerlib.measure(plan, it)
     to.put(None)
     p.join(10)
-    out.samples("w2_fresh", peerlib.size_name(nbytes), nbytes, plan, samples)
-
-
-def create_send(out, plan, nbytes):
-    """Workload 2 with creation in the timed part: torch.full + put + the child's ack (forksafe's
-    C++ program makes the tensor born shared; here, on either system, it is a normal tensor)."""
-    n = nbytes // 4
-    ctx = tmp.get_context("fork")
-    to, frm = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=tensor_ack, args=(to, frm))
-    p.start()
-
-    def it(i):
-        t0 = now_us()
-        t = torch.full((n,), float(i))
-        to.put(t)
-        ack = frm.get()
-        us = now_us() - t0
-        if ack != 2.0 * i:
-            raise RuntimeError("create + send: wrong acknowledgement")
-        return us
-
-    samples = peerlib.measure(plan, it)
-    to.put(None)
-    p.join(10)
-    out.samples("w2_create_send", peerlib.size_name(nbytes), nbytes, plan, samples)
+    out.samples("w2_create_send" if timed_creation else "w2_fresh", peerlib.size_name(nbytes),
+                nbytes, plan, samples)
 
 
 # ---- 3. Pool(2).map of a reduction over tensors ---------------------------------------------------
@@ -348,7 +329,7 @@ def main():
                       lambda: fresh_send(out, plans["w2_fresh"], b))
         for b in peerlib.SIZES:
             out.guard("w2_create_send", peerlib.size_name(b),
-                      lambda: create_send(out, plans["w2_fresh"], b))
+                      lambda: fresh_send(out, plans["w2_fresh"], b, True))
     if args.wants("w3"):
         out.guard("w3_poolmap", "2000 x 4 KiB",
                   lambda: pool_map(out, plans["w3_poolmap"], 2000, 4 * peerlib.KIB))
