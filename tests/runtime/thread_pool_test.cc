@@ -9,6 +9,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <numeric>
@@ -29,6 +30,21 @@ namespace {
 
 using forksafe::testing::RunInChild;
 using namespace std::chrono_literals;
+
+// Waits (at most 20 s) until `done()` holds. A test whose threads must be stopped and joined cannot
+// return early from an ASSERT, so a wait that never ends aborts with `what` instead: a hang of the
+// code under test becomes a failure with a message, never a stuck test.
+template <class Done>
+void WaitOrAbort(Done done, const char* what) {
+  const auto until = std::chrono::steady_clock::now() + 20s;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) {
+      std::fprintf(stderr, "thread_pool_test: gave up after 20 s waiting for %s\n", what);
+      std::abort();
+    }
+    std::this_thread::sleep_for(100us);
+  }
+}
 
 bool HasEvent(const ForkReport& r, ForkEventKind kind) {
   for (const ForkEvent& e : r.events) {
@@ -517,7 +533,7 @@ TEST(ThreadPoolTest, ForksWhileAParallelForRunsOnTheWorkers) {
       ++rounds;
     }
   });
-  while (rounds < 3) std::this_thread::sleep_for(100us);
+  WaitOrAbort([&] { return rounds >= 3; }, "the busy thread's first ParallelFor rounds");
   for (int i = 0; i < 20; ++i) {
     auto child = RunInChild(
         [&] {
@@ -571,7 +587,8 @@ TEST(ThreadPoolTest, AForkParksAParallelForHelperBetweenTwoGrains) {
       ++done;
     });
   });
-  while (!caller_ready || helper_done < 3) std::this_thread::sleep_for(100us);
+  WaitOrAbort([&] { return caller_ready && helper_done >= 3; },
+              "the caller and its helper's first grains");
   auto child = RunInChild(
       [&] {
         // The child's copy of the counter: the chunks done when the fork happened.
@@ -615,7 +632,7 @@ TEST(ThreadPoolTest, ANestedParallelForHelperIsNotParkedMidTask) {
     }
     nested_ran = pool.TryRunOne();
   });
-  while (!outer_holds) std::this_thread::sleep_for(100us);
+  WaitOrAbort([&] { return outer_holds.load(); }, "the outer task to take the user mutex");
   std::thread caller([&] {
     pool.ParallelFor(0, kChunks, 1, [&](int64_t lo, int64_t hi) {
       std::this_thread::sleep_for(1ms);
@@ -667,7 +684,7 @@ TEST(ThreadPoolTest, ARolledBackAttemptResumesAParkedHelper) {
       ++rounds;
     }
   });
-  while (rounds < 2) std::this_thread::sleep_for(100us);
+  WaitOrAbort([&] { return rounds >= 2; }, "the busy thread's first ParallelFor rounds");
   auto child = RunInChild([] { return 0; }, 30s);
   EXPECT_TRUE(child.ok()) << child.Describe();
   const int64_t at_fork = rounds.load();
@@ -709,7 +726,7 @@ TEST(ThreadPoolTest, WorkersThatRanOneTbbDoNotKeepItFromBeingFinalized) {
       ++rounds;
     }
   });
-  while (rounds < 2) std::this_thread::sleep_for(100us);
+  WaitOrAbort([&] { return rounds >= 2; }, "the busy thread's first ParallelFor rounds");
   const TbbForkStats before = GetTbbForkStats();
   for (int i = 0; i < 5; ++i) {
     auto child = RunInChild(
