@@ -441,8 +441,17 @@ TEST(PoolForkInheritanceTest, AForkedWorkerHoldsNoOtherWorkersChannelNorAnUncoll
   PoolOptions o = Opts("fork", 2);
   o.maxtasksperchild = 1;  // every task retires its worker: each next task runs in a new fork
   Pool pool(o);
+  const std::vector<pid_t> first = pool.pids();
+  ASSERT_EQ(first.size(), 2u);
   auto mailbox = pool.apply_async(&MakeMailbox, 7);
   ASSERT_TRUE(mailbox.wait(30s));  // its Connection waits in the pool, not collected
+  // The parent's view is taken once the retired worker's replacement is running: while the pool
+  // forks one, this process briefly holds that worker's own ends too, which it rightly keeps.
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (pool.pids() == first || pool.pids().size() != 2) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the retired worker was not replaced";
+    std::this_thread::sleep_for(5ms);
+  }
   const std::set<std::string> during = SocketTargets();
   std::vector<std::vector<std::string>> seen = pool.map(&WorkerSockets, Range(6), 1);
   Connection c = mailbox.get(10s);
