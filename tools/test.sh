@@ -18,6 +18,7 @@ started="$(mktemp)"  # its mtime marks the start of this run (see the /dev/shm c
 trap 'rm -f "$log" "$started"' EXIT
 passed=0; failed=0; skipped=0
 failed_list=()  # what failed, one entry each, repeated at the end next to the summary line
+failed_detail=()  # for each failed test target: its failing cases and first assertions
 leak_checked=0; leak_found=0
 status=0
 
@@ -68,6 +69,14 @@ while read -r target result _; do
   passed=$((passed + t - f - s)); failed=$((failed + f)); skipped=$((skipped + s))
   if [ "$f" -gt 0 ]; then
     failed_list+=("$target $result ($f case(s))${suite_label:+ [$suite_label]}")
+    # What a reader of CI's tail needs to start: the failing cases and their first assertions
+    # (or, for a crash or timeout, the log's last lines).
+    if [ -f "$testlogs/$rel/test.log" ]; then
+      detail="$(grep -E '^\[  FAILED  \] [A-Za-z]|^(FAILED|ERROR) ' "$testlogs/$rel/test.log" | sort -u | head -5
+                grep -A4 -E ': Failure$|^E  ' "$testlogs/$rel/test.log" | head -15)"
+      [ -z "$detail" ] && detail="$(tail -8 "$testlogs/$rel/test.log")"
+      failed_detail+=("--- $target${suite_label:+ [$suite_label]}" "$detail")
+    fi
   fi
   # The leak check (tests/support/leak_check.h) ends each binary with
   # "forksafe leak check: N test(s) checked, M leaked, ...".
@@ -181,6 +190,11 @@ if [ "$leftover" -ne 0 ]; then
 fi
 echo
 if [ "${#failed_list[@]}" -gt 0 ]; then
+  if [ "${#failed_detail[@]}" -gt 0 ]; then
+    echo "how it failed:"
+    printf '%s\n' "${failed_detail[@]}"
+    echo
+  fi
   echo "what failed:"
   printf '  %s\n' "${failed_list[@]}"
 fi
