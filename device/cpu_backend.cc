@@ -32,16 +32,24 @@ namespace {
 
 constexpr size_t kHugePage = size_t{2} << 20;
 
-// FORKSAFE_CPU_HUGEPAGES=0 turns the huge-page placement off (the banner's trade-off); read once.
+// FORKSAFE_CPU_HUGEPAGES=0 turns the huge-page placement off (the banner's trade-off); read once
+// (a refused value throws each time: a static's initialisation that throws is tried again).
 bool HugePagesWanted() {
-  static const bool wanted = [] {
-    const char* v = std::getenv("FORKSAFE_CPU_HUGEPAGES");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool wanted = CpuBackend::HugePagesSetting(std::getenv("FORKSAFE_CPU_HUGEPAGES"));
   return wanted;
 }
 
 }  // namespace
+
+bool CpuBackend::HugePagesSetting(const char* value) {
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "1") == 0) return true;
+  if (std::strcmp(value, "0") == 0) return false;
+  throw runtime::Error(
+      runtime::ErrorCode::kInvalidArgument,
+      absl::StrCat("FORKSAFE_CPU_HUGEPAGES=\"", value,
+                   "\" is neither 0 nor 1: set it to 0 to keep large CPU blocks out of transparent "
+                   "huge pages, or to 1 (or unset it) to place them there"));
+}
 
 void* CpuBackend::DoAllocate(int index, size_t bytes) {
   // Bounded before anything is reserved: rounding must not wrap (SIZE_MAX - 8 would become a

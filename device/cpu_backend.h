@@ -15,7 +15,8 @@
 //   4 KiB (a child that writes one float of an inherited 64 MiB tensor copies 2 MiB). A process
 //   that forks children which write into large inherited tensors, and cares about that latency,
 //   sets FORKSAFE_CPU_HUGEPAGES=0 (read once, at the first large allocation): blocks are then
-//   allocated as before.
+//   allocated as before. "1", "" or unset mean huge pages; any other value is refused: the large
+//   allocation throws kInvalidArgument saying what to set (a typo is not silently ignored).
 //
 // Thread safety: all methods are thread-safe.
 #ifndef FORKSAFE_DEVICE_CPU_BACKEND_H_
@@ -38,6 +39,10 @@ class CpuBackend final : public Backend {
   ForkBehavior fork_behavior() const override { return ForkBehavior::kForkSafe; }
   int DeviceCount() const override { return 1; }
   DeviceProperties Properties(int index) const override;
+
+  /// Reads a FORKSAFE_CPU_HUGEPAGES value (nullptr when unset): true for unset, "" or "1",
+  /// false for "0"; any other value throws Error(kInvalidArgument) saying what to set.
+  static bool HugePagesSetting(const char* value);
 
  protected:
   void DoInitialize() override {}

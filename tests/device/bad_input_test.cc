@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "forksafe/device/cpu_backend.h"
 #include "forksafe/device/registry.h"
 #include "forksafe/device/sim_backend.h"
 #include "forksafe/device/tensor.h"
@@ -31,6 +32,7 @@ using runtime::internal::RoundUpOrThrow;
 constexpr size_t kMax = std::numeric_limits<size_t>::max();
 
 using forksafe::testing::BadCall;
+using forksafe::testing::BadCallVerdict;
 
 std::string CheckRows(const std::vector<BadCall>& rows) {
   return forksafe::testing::CheckBadCalls(rows, /*bounded=*/true);
@@ -179,6 +181,23 @@ TEST(DeviceBadInput, SizesThatWrapOrExceedTheSystemFailFast) {
   };
   const std::string failures = CheckRows(rows);
   EXPECT_TRUE(failures.empty()) << failures;
+}
+
+// FORKSAFE_CPU_HUGEPAGES takes 0 or 1 (or nothing); a typo is refused with what to set, not read
+// as "on" (it used to be: any value but "0" meant huge pages).
+TEST(DeviceBadInput, TheHugePageSettingTakesZeroOrOne) {
+  EXPECT_TRUE(CpuBackend::HugePagesSetting(nullptr));
+  EXPECT_TRUE(CpuBackend::HugePagesSetting(""));
+  EXPECT_TRUE(CpuBackend::HugePagesSetting("1"));
+  EXPECT_FALSE(CpuBackend::HugePagesSetting("0"));
+  for (const char* bad : {"off", "no", "false", "2", " 0", "0 ", "yes"}) {
+    const std::string verdict = BadCallVerdict(
+        {bad,
+         [bad] { CpuBackend::HugePagesSetting(bad); },
+         ErrorCode::kInvalidArgument,
+         {"FORKSAFE_CPU_HUGEPAGES=\"", bad, "neither 0 nor 1", "set it to 0", "unset it"}});
+    EXPECT_TRUE(verdict.empty()) << bad << ": " << verdict;
+  }
 }
 
 TEST(DeviceBadInput, ASizeThatFitsStillWorks) {
