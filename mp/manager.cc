@@ -249,15 +249,24 @@ std::vector<std::string> NamespaceProxy::names() const {
   return Call(ManagerOp::kNsNames, "Namespace.names").blobs;
 }
 
+// The reply of a Lock/RLock acquire: 0 not taken, 1 taken, 2 taken over from a dead owner.
+bool TakenLock(const internal::ManagerReply& r, bool* owner_died) {
+  const int64_t v = r.ints.at(0);
+  if (v != 0) *owner_died = v == 2;
+  return v != 0;
+}
+
 bool LockProxy::acquire(bool block, Timeout timeout) {
-  return Flag(Call(ManagerOp::kAcquire, "Lock.acquire", {}, {},
-                   WaitSeconds(block, timeout, "Lock.acquire")));
+  return TakenLock(Call(ManagerOp::kAcquire, "Lock.acquire", {}, {},
+                        WaitSeconds(block, timeout, "Lock.acquire")),
+                   &owner_died_);
 }
 void LockProxy::release() { Call(ManagerOp::kRelease, "Lock.release"); }
 
 bool RLockProxy::acquire(bool block, Timeout timeout) {
-  return Flag(Call(ManagerOp::kAcquire, "RLock.acquire", {}, {},
-                   WaitSeconds(block, timeout, "RLock.acquire")));
+  return TakenLock(Call(ManagerOp::kAcquire, "RLock.acquire", {}, {},
+                        WaitSeconds(block, timeout, "RLock.acquire")),
+                   &owner_died_);
 }
 void RLockProxy::release() { Call(ManagerOp::kRelease, "RLock.release"); }
 

@@ -32,6 +32,14 @@
 //     not hold, re-acquiring a held non-recursive Lock with block=true, a Condition wait/notify
 //     without its lock, and a BoundedSemaphore released above its initial value throw
 //     Error(kFailedPrecondition). Timeouts follow mp/timeout.h (negative: kInvalidArgument).
+//   - Owner death (beyond Python, whose manager lock stays held forever): when the process that
+//     holds a Lock or RLock exits without releasing it (killed, or ended), the next acquire()
+//     takes it over, within the manager's 100 ms wait slice for a waiter already blocked and at
+//     once for a new or non-blocking one, and that proxy's previous_owner_died() is true: the
+//     guarded data may be half-updated, as with mp::Lock. A Condition's wait re-acquires such a
+//     lock too. The owner is the process at the other end of its connection as the kernel names
+//     it (SO_PEERCRED), so pid namespaces do not fool it; a thread that ends while its process
+//     lives is not an owner death (the lock stays held, as for any mutex).
 //   - Errors as in Python: a missing dict key or Namespace attribute -> kNotFound naming it; a
 //     list/Array index out of range -> kInvalidArgument with the index and the size (negative
 //     indices count from the end); Queue.get on an empty queue and Queue.put on a full one
@@ -66,8 +74,6 @@
 // Hazards
 //   - Objects live until shutdown(): dropping every proxy of an object does not free it in the
 //     manager. Create long-lived objects once, not one per task.
-//   - A process that dies holding a manager Lock leaves it locked (as in Python): there is no
-//     owner-died recovery here (use mp::Lock of mp/synchronize.h for that).
 //   - A call with no timeout to a manager that is stopped (SIGSTOP) waits until it resumes.
 //   - Values holding file descriptors (Connection, mp::Queue, tensors) cannot be stored
 //     (kInvalidArgument): put a descriptor-free description in the manager instead.

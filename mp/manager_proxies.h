@@ -381,9 +381,16 @@ class LockProxy : public internal::ProxyBase {
   bool acquire(bool block = true, Timeout timeout = std::nullopt);
   /// kFailedPrecondition when the calling (process, thread) does not hold it.
   void release();
+  /// True when this proxy's last successful acquire took the lock over from a process that
+  /// exited holding it (killed, or ended without releasing): the data it guards may be
+  /// half-updated. As mp::Lock::previous_owner_died; each proxy object keeps its own answer.
+  bool previous_owner_died() const { return owner_died_; }
   void lock() { acquire(); }
   bool try_lock() { return acquire(false); }
   void unlock() { release(); }
+
+ private:
+  bool owner_died_ = false;
 };
 
 /// A recursive lock of the manager: its owner may acquire it again; release() undoes one level.
@@ -391,9 +398,14 @@ class RLockProxy : public internal::ProxyBase {
   FORKSAFE_MP_PROXY_COMMON(RLockProxy, kRLock)
   bool acquire(bool block = true, Timeout timeout = std::nullopt);
   void release();
+  /// As LockProxy::previous_owner_died (on a take-over the depth restarts at 1).
+  bool previous_owner_died() const { return owner_died_; }
   void lock() { acquire(); }
   bool try_lock() { return acquire(false); }
   void unlock() { release(); }
+
+ private:
+  bool owner_died_ = false;
 };
 
 /// A Semaphore or BoundedSemaphore of the manager.

@@ -31,6 +31,7 @@
 #include "forksafe/mp/internal/server_auth.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/mutex.h"
+#include "forksafe/runtime/internal/process_liveness.h"
 
 namespace forksafe::mp::internal {
 namespace {
@@ -61,8 +62,9 @@ struct Object {
   // value
   std::string value;
   // lock, rlock
-  int32_t owner_pid = 0;
+  int32_t owner_pid = 0;  // as the owner reported it (with owner_tid: who may release)
   int64_t owner_tid = 0;
+  pid_t owner_process = 0;  // the owner's connection's peer, in this process's pid namespace
   int64_t depth = 0;
   // semaphores
   int64_t units = 0;
@@ -90,6 +92,21 @@ struct Call {
     return o.depth > 0 && o.owner_pid == req.pid && o.owner_tid == req.tid;
   }
 };
+
+// The process at the other end of a client connection, as the kernel names it here (the pid a
+// client reports may be from another pid namespace); 0 when unknown.
+pid_t PeerProcess(int fd) {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return 0;
+  return cred.pid;
+}
+
+// A held lock whose owning process has exited (died, or _exit without releasing): the next
+// acquirer takes it over and learns it (the reply's 2). Never for an unknown owner (0).
+bool OwnerExited(const Object& l) {
+  return l.depth > 0 && runtime::internal::ProcessExited(l.owner_process);
+}
 
 bool ClientGoneNow(int fd) {
   pollfd p{fd, POLLRDHUP, 0};
@@ -249,12 +266,14 @@ class Server {
     }
   }
 
-  bool LockAcquire(Call& c, Object& l, const char* what) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // 0: not taken (no block, or the deadline passed); 1: taken; 2: taken over from an owner
+  // process that exited holding it (its data may be half-updated: previous_owner_died()).
+  int LockAcquire(Call& c, Object& l, const char* what) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const bool recursive = l.kind == ManagedKind::kRLock;
     if (c.Owns(l)) {
       if (recursive) {
         ++l.depth;
-        return true;
+        return 1;
       }
       if (!c.deadline || *c.deadline > Clock::now()) {
         Fail(ErrorCode::kFailedPrecondition,
@@ -262,13 +281,19 @@ class Server {
                           ") already holds this non-recursive lock; waiting would deadlock "
                           "(use an RLock, or acquire(false))"));
       }
-      return false;
+      return 0;
     }
-    if (!WaitFor(*c.lk, c, [&] { return l.depth == 0; })) return false;
+    if (!WaitFor(*c.lk, c, [&] { return l.depth == 0 || OwnerExited(l); })) return 0;
+    const bool taken_over = l.depth > 0;
+    TakeLock(c, l, 1);
+    return taken_over ? 2 : 1;
+  }
+
+  static void TakeLock(const Call& c, Object& l, int64_t depth) {
     l.owner_pid = c.req.pid;
     l.owner_tid = c.req.tid;
-    l.depth = 1;
-    return true;
+    l.owner_process = PeerProcess(c.fd);
+    l.depth = depth;
   }
 
   void LockRelease(Call& c, Object& l, const char* what) {
@@ -279,7 +304,7 @@ class Server {
                                        l.owner_tid, ", not by the caller (pid ", c.req.pid, " tid ",
                                        c.req.tid, "); only the owner may release it"));
     }
-    if (--l.depth == 0) l.owner_pid = 0, l.owner_tid = 0;
+    if (--l.depth == 0) l.owner_pid = 0, l.owner_tid = 0, l.owner_process = 0;
   }
 
   void Dispatch(Call& c, Object& o, ManagerReply& out) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -510,7 +535,7 @@ class Server {
         Object& l = o.kind == ManagedKind::kCondition ? *objects_.at(o.lock_id) : o;
         const char* what = ManagedKindName(o.kind);
         if (acquire) {
-          out.ints.push_back(LockAcquire(c, l, what) ? 1 : 0);
+          out.ints.push_back(LockAcquire(c, l, what));
         } else {
           LockRelease(c, l, what);
         }
@@ -562,7 +587,7 @@ class Server {
       return;
     }
     const int64_t depth = l.depth;
-    l.depth = 0, l.owner_pid = 0, l.owner_tid = 0;
+    l.depth = 0, l.owner_pid = 0, l.owner_tid = 0, l.owner_process = 0;
     const uint64_t ticket = ++next_ticket_;
     o.waiters.push_back(ticket);
     cv_.NotifyAll();
@@ -580,8 +605,8 @@ class Server {
     o.waiters.erase(std::remove(o.waiters.begin(), o.waiters.end(), ticket), o.waiters.end());
     o.notified.erase(std::remove(o.notified.begin(), o.notified.end(), ticket), o.notified.end());
     Call forever{c.req, c.fd, std::nullopt, c.lk};
-    WaitFor(*c.lk, forever, [&] { return l.depth == 0; });
-    l.owner_pid = c.req.pid, l.owner_tid = c.req.tid, l.depth = depth;
+    WaitFor(*c.lk, forever, [&] { return l.depth == 0 || OwnerExited(l); });
+    TakeLock(c, l, depth);
     out.ints.push_back(notified ? 1 : 0);
   }
 

@@ -180,6 +180,53 @@ TEST_P(ManagerMethods, FourProcessesIncrementUnderAManagerLock) {
   EXPECT_EQ(d.get("n"), 800);
 }
 
+// Takes the Lock and the RLock (twice), says so, then leaves without releasing either: by
+// SIGKILL, or by a plain _exit.
+void HoldAndLeave(LockProxy lock, RLockProxy rlock, EventProxy held, bool kill) {
+  if (!lock.acquire(true, 20.0) || !rlock.acquire(true, 20.0) || !rlock.acquire(true, 20.0)) {
+    throw Error(ErrorCode::kDeadlineExceeded, "HoldAndLeave: a lock was not free");
+  }
+  held.set();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the parent blocks meanwhile
+  if (kill) raise(SIGKILL);
+  _exit(0);
+}
+FORKSAFE_ENTRY_POINT(HoldAndLeave);
+
+// Python's manager leaves such a lock held forever; ours hands it to the next acquirer (a waiter
+// already blocked, a non-blocking try) and tells it so, as mp::Lock does.
+TEST_P(ManagerMethods, ALockWhoseOwnerDiedGoesToTheNextAcquirerWhoIsTold) {
+  Manager manager(With(GetParam()));
+  auto lock = manager.Lock();
+  auto rlock = manager.RLock();
+  for (const bool kill : {true, false}) {
+    SCOPED_TRACE(kill ? "owner killed" : "owner _exit without release");
+    auto held = manager.Event();
+    Process p(Child(GetParam()), &HoldAndLeave, lock, rlock, held, kill);
+    p.start();
+    ASSERT_TRUE(held.wait(20.0)) << "the child never took the locks";
+    EXPECT_FALSE(lock.acquire(false)) << "a live owner's lock must stay held";
+    // Blocked while the owner lives, then taken over (bounded: 20 s, not forever).
+    ASSERT_TRUE(lock.acquire(true, 20.0)) << "the dead owner's Lock was never handed over";
+    EXPECT_TRUE(lock.previous_owner_died());
+    ASSERT_TRUE(p.join(kJoin));
+    EXPECT_EQ(p.exitcode(), kill ? -SIGKILL : 0);
+    ASSERT_TRUE(rlock.acquire(false)) << "a non-blocking try takes a dead owner's RLock at once";
+    EXPECT_TRUE(rlock.previous_owner_died());
+    rlock.release();  // the take-over's depth is 1, not the dead owner's 2
+    auto other = std::async(std::launch::async, [rlock]() mutable {
+      const bool got = rlock.acquire(false);
+      if (got) rlock.release();
+      return got;
+    });
+    EXPECT_TRUE(other.get()) << "one release after a take-over frees the RLock";
+    lock.release();
+    ASSERT_TRUE(lock.acquire(false));
+    EXPECT_FALSE(lock.previous_owner_died()) << "an ordinary acquire clears the flag";
+    lock.release();
+  }
+}
+
 void Produce(QueueProxy<int> q, int n) {
   for (int i = 0; i < n; ++i) q.put(i);
 }
