@@ -453,6 +453,23 @@ void BindMp(py::module_& parent) {
       "empty_cache", [] { mp::internal::SharedArena::Get().EmptyCache(); }, ReleaseGil(),
       "Returns the arena's cached, unreferenced memory to the system (file_system segments "
       "leave /dev/shm).");
+  m.def(
+      "arena_stats",
+      [] {
+        const mp::internal::ArenaStats s = mp::internal::SharedArena::Get().stats();
+        py::dict d;
+        d["segments_created"] = s.segments_created;
+        d["segments_mapped"] = s.segments_mapped;
+        d["blocks_allocated"] = s.blocks_allocated;
+        d["blocks_reused"] = s.blocks_reused;
+        d["bytes_reserved"] = s.bytes_reserved;
+        d["live_segments"] = s.live_segments;
+        d["large_segments_reused"] = s.large_segments_reused;
+        d["large_cache_bytes"] = s.large_cache_bytes;
+        return d;
+      },
+      "This process's shared-memory arena counters (mp/internal/shared_arena.h, ArenaStats), "
+      "for tests and benchmarks.");
   m.def("get_all_sharing_strategies", &mp::get_all_sharing_strategies);
   m.def("get_sharing_strategy", &mp::get_sharing_strategy);
   m.def("set_sharing_strategy", &mp::set_sharing_strategy, py::arg("strategy"));

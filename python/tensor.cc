@@ -97,6 +97,58 @@ Tensor AdoptCapsule(py::handle capsule) {
   return t;
 }
 
+// A DLPack export whose consumer's release also calls a Python callable: the wrapper's context.
+struct ReleaseNotice {
+  DLManagedTensor* original;  // device::ToDLPack's, given back first
+  PyObject* callback;         // owned reference
+};
+
+// The wrapper's deleter: gives the tensor back (no Python involved), then calls the callback with
+// the GIL (the consumer may let go on any thread). At interpreter exit the callback is leaked,
+// never called: the objects it would touch may be gone.
+void DeleteWithNotice(DLManagedTensor* self) {
+  auto* notice = static_cast<ReleaseNotice*>(self->manager_ctx);
+  DLManagedTensor* original = notice->original;
+  PyObject* callback = notice->callback;
+  delete notice;
+  delete self;
+  if (original->deleter != nullptr) original->deleter(original);
+  if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject* result = PyObject_CallNoArgs(callback);
+  if (result == nullptr) {
+    PyErr_WriteUnraisable(callback);
+  } else {
+    Py_DECREF(result);
+  }
+  Py_DECREF(callback);
+  PyGILState_Release(gil);
+}
+
+// A "dltensor" capsule over CPU tensor `t` (as __dlpack__) whose release by its consumer calls
+// `on_release()` once, after the consumer's reference to the memory is gone.
+py::object CapsuleWithNotice(const Tensor& t, py::object on_release) {
+  if (!t.device().is_cpu()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "_dlpack_with_release: a " + t.device().ToString() + " tensor; CPU only");
+  }
+  DLManagedTensor* original = device::ToDLPack(t);
+  auto* wrapper = new DLManagedTensor();
+  wrapper->dl_tensor = original->dl_tensor;  // shape and strides point into `original`
+  wrapper->manager_ctx = new ReleaseNotice{original, on_release.release().ptr()};
+  wrapper->deleter = &DeleteWithNotice;
+  PyObject* capsule = PyCapsule_New(wrapper, "dltensor", &DeleteUnconsumedCapsule);
+  if (capsule == nullptr) {  // nothing consumed it: undo without calling back
+    auto* notice = static_cast<ReleaseNotice*>(wrapper->manager_ctx);
+    Py_DECREF(notice->callback);
+    delete notice;
+    delete wrapper;
+    original->deleter(original);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(capsule);
+}
+
 Tensor Create(const char* what, py::object shape, const std::string& dtype,
               const std::string& device_name, std::optional<double> fill) {
   std::vector<int64_t> dims;
@@ -214,6 +266,11 @@ void BindTensor(py::module_& m) {
             return py::reinterpret_steal<py::object>(capsule);
           },
           py::arg("stream") = py::none())
+      .def("_dlpack_with_release", &CapsuleWithNotice, py::arg("on_release"),
+           "A DLPack capsule of this CPU tensor (as __dlpack__) whose consumer's release calls "
+           "on_release() once, with the GIL, after its reference to the memory is gone (never "
+           "at interpreter exit). forksafe.multiprocessing drops its record of a torch "
+           "storage's shared memory this way.")
       .def("__dlpack_device__",
            [](const Tensor& t) {
              const DLDevice d = device::ToDLDevice(t.device());

@@ -220,3 +220,53 @@ def test_structured_conjugated_and_sent_views_keep_their_values():
     n = torch.tensor([1.0, 2.0])._neg_view()
     q.put(n)
     assert q.get(timeout=5).tolist() == [-1.0, -2.0]
+
+
+def ack_after_dropping(q, out):
+    while True:
+        t = q.get(timeout=30)
+        if t is None:
+            break
+        total = float(t[0]) + float(t[-1])
+        del t  # dropped before the ack: the sender's next allocation finds the block free
+        out.put((total, len(reduction._torch_shared)))
+
+
+def test_a_dropped_torch_tensor_gives_its_shared_memory_back_at_once():
+    t = torch.full((1000,), 3.0)
+    mp.share_memory(t)
+    ptr = reduction._storage_ptr(t)
+    assert mp.is_shared(t) and ptr in reduction._torch_shared
+    view = t[10:]
+    del t
+    assert ptr in reduction._torch_shared, "a view still uses the memory"
+    view += 1
+    del view
+    # No prune, no collection: the storage's release drops the record (and the memory) itself.
+    assert ptr not in reduction._torch_shared
+
+
+def test_repeated_fresh_large_sends_reuse_one_cached_segment():
+    # A fresh large torch tensor per send (torch's own memory, moved into shared memory on
+    # send): once the receiver drops each one, the sender's copies all land in one warm cached
+    # segment (arena stats), not a new segment (and its first-touch faults) per send.
+    n = (20 << 20) // 4  # 20 MiB: a dedicated (large) segment
+    q, out = mp.Queue(), mp.Queue()
+    p = mp.Process(target=ack_after_dropping, args=(q, out))
+    p.start()
+    try:
+        for i in range(2):  # warm-up: the first segment is made here
+            q.put(torch.full((n,), float(i)))
+            assert out.get(timeout=30)[0] == 2.0 * i
+        before = reduction._mp.arena_stats()
+        for i in range(2, 8):
+            q.put(torch.full((n,), float(i)))
+            total, receiver_records = out.get(timeout=30)
+            assert total == 2.0 * i
+            assert receiver_records == 0, "the receiver still records a tensor it dropped"
+        after = reduction._mp.arena_stats()
+    finally:
+        q.put(None)
+        assert finish([p]) == [0]
+    assert after["segments_created"] == before["segments_created"], (before, after)
+    assert after["large_segments_reused"] - before["large_segments_reused"] == 6, (before, after)

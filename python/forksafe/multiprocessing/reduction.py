@@ -204,7 +204,7 @@ def _share_torch_(t):
     nbytes = storage.nbytes()
     _prune_torch_records()  # what dead records hold goes back to the arena before allocating
     fs = _mp.shared_empty([max(nbytes, 1)], "uint8")
-    base = torch.from_dlpack(fs)
+    base = _torch_view_of(torch, fs)
     if nbytes:  # raw bytes: memmove runs at memcpy speed (torch's uint8 copy_ took 4x longer)
         ctypes.memmove(fs.data_ptr(), storage.data_ptr(), nbytes)
     with torch.no_grad():
@@ -218,14 +218,33 @@ _bytes_since_prune = 0
 _PRUNE_BYTES = 64 << 20
 
 
+def _torch_view_of(torch, fs):
+    """A torch uint8 tensor over forksafe tensor `fs`'s memory (DLPack, no copy). When torch lets
+    go of that memory (its storage dies: the last tensor over it is gone), the record of it is
+    dropped at once (_torch_storage_released), so the block goes back to the arena then, not at
+    a later prune: a receiver that drops a tensor lets its sender reuse the warm block (a large
+    segment from the arena's cache, a pooled block) for the next fresh tensor, instead of new
+    memory and its first-touch page faults."""
+    ptr = fs.data_ptr()
+    return torch.from_dlpack(fs._dlpack_with_release(lambda: _torch_storage_released(ptr)))
+
+
+def _torch_storage_released(ptr):
+    # A torch storage over the memory at `ptr` died (called from its DLPack deleter, with the
+    # GIL, wherever torch let go). The record goes once no other torch storage uses the memory
+    # (its `fs` handle is the last one); otherwise the last one's release drops it.
+    entry = _torch_shared.get(ptr)
+    if entry is not None and entry[1]() is None and entry[0]._storage_use_count() <= 1:
+        _torch_shared.pop(ptr, None)
+
+
 def _remember_torch_storage(fs, base):
     """Records that the torch uint8 tensor `base` views forksafe tensor `fs`'s whole memory.
     The record holds `fs` and a weak reference to `base`: a later message over the same memory
     makes its tensor from `base` (no new DLPack import), and a tensor sent again is found by its
-    storage's address. A record whose memory no torch tensor uses any more (its `fs` handle is
-    the last one) is dropped at the next prune, which runs once the records doubled in number
-    or 64 MiB were recorded since the last: the memory then returns to the arena. (Hazard: until
-    then the record keeps that memory.)"""
+    storage's address. The record is dropped when torch lets go of the memory (_torch_view_of);
+    a prune, which runs once the records doubled in number or 64 MiB were recorded since the
+    last, also drops records whose memory no torch tensor uses any more."""
     global _bytes_since_prune
     _torch_shared[fs.data_ptr()] = (fs, weakref.ref(base))
     _bytes_since_prune += fs.nbytes
@@ -237,7 +256,7 @@ def _prune_torch_records():
     global _pruned_at, _bytes_since_prune
     for ptr, (held, ref) in list(_torch_shared.items()):
         if ref() is None and held._storage_use_count() <= 1:
-            del _torch_shared[ptr]
+            _torch_shared.pop(ptr, None)  # a storage's release may have dropped it meanwhile
     _pruned_at = max(64, 2 * len(_torch_shared))
     _bytes_since_prune = 0
 
@@ -247,7 +266,7 @@ def _rebuild_torch(fs, dtype, size, stride, offset, requires_grad, parameter):
     entry = _torch_shared.get(fs.data_ptr())
     base = entry[1]() if entry is not None else None
     if base is None or base.numel() != fs.nbytes:
-        base = torch.from_dlpack(fs)
+        base = _torch_view_of(torch, fs)
         _remember_torch_storage(fs, base)
     torch_dtype = getattr(torch, dtype)
     try:
