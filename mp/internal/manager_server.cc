@@ -86,6 +86,7 @@ struct Object {
 struct Call {
   const ManagerRequest& req;
   int fd;
+  pid_t peer;  // the connection's peer process (PeerProcess), read once per connection
   std::optional<Clock::time_point> deadline;
   runtime::internal::MutexLock* lk;  // the Server's, held for the whole call
   bool Owns(const Object& o) const {
@@ -119,9 +120,10 @@ class Server {
  public:
   explicit Server(std::string name) : name_(std::move(name)) {}
 
-  void Handle(const ManagerRequest& req, ManagerReply& out, int fd) FORKSAFE_LOCKS_EXCLUDED(mu_) {
+  void Handle(const ManagerRequest& req, ManagerReply& out, int fd, pid_t peer)
+      FORKSAFE_LOCKS_EXCLUDED(mu_) {
     runtime::internal::MutexLock lk(&mu_);
-    Call c{req, fd, std::nullopt, &lk};
+    Call c{req, fd, peer, std::nullopt, &lk};
     if (req.timeout >= 0) {
       if (req.timeout < 1e9) {
         c.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -292,7 +294,7 @@ class Server {
   static void TakeLock(const Call& c, Object& l, int64_t depth) {
     l.owner_pid = c.req.pid;
     l.owner_tid = c.req.tid;
-    l.owner_process = PeerProcess(c.fd);
+    l.owner_process = c.peer;
     l.depth = depth;
   }
 
@@ -604,7 +606,7 @@ class Server {
     }
     o.waiters.erase(std::remove(o.waiters.begin(), o.waiters.end(), ticket), o.waiters.end());
     o.notified.erase(std::remove(o.notified.begin(), o.notified.end(), ticket), o.notified.end());
-    Call forever{c.req, c.fd, std::nullopt, c.lk};
+    Call forever{c.req, c.fd, c.peer, std::nullopt, c.lk};
     WaitFor(*c.lk, forever, [&] { return l.depth == 0 || OwnerExited(l); });
     TakeLock(c, l, depth);
     out.ints.push_back(notified ? 1 : 0);
@@ -672,6 +674,7 @@ void ServeClient(Server* server, Connection conn, std::string secret) {
     conn.close();
     return;
   }
+  const pid_t peer = PeerProcess(conn.fileno());  // a connection's peer never changes
   for (;;) {
     ManagerRequest req;
     try {
@@ -685,7 +688,7 @@ void ServeClient(Server* server, Connection conn, std::string secret) {
     }
     ManagerReply reply;
     try {
-      server->Handle(req, reply, conn.fileno());
+      server->Handle(req, reply, conn.fileno(), peer);
     } catch (const Error& e) {
       reply = ManagerReply{};
       reply.code = static_cast<int32_t>(e.code());
