@@ -132,6 +132,11 @@ py::object CapsuleWithNotice(const Tensor& t, py::object on_release) {
     throw Error(ErrorCode::kInvalidArgument,
                 "_dlpack_with_release: a " + t.device().ToString() + " tensor; CPU only");
   }
+  if (!PyCallable_Check(on_release.ptr())) {  // said now, not as an unraisable error at release
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string("_dlpack_with_release: on_release must be callable, got ") +
+                    Py_TYPE(on_release.ptr())->tp_name);
+  }
   DLManagedTensor* original = device::ToDLPack(t);
   auto* wrapper = new DLManagedTensor();
   wrapper->dl_tensor = original->dl_tensor;  // shape and strides point into `original`

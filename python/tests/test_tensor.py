@@ -92,6 +92,11 @@ def test_bad_input_is_a_clear_error():
     forksafe.from_dlpack(capsule)
     with pytest.raises(forksafe.InvalidArgumentError, match="consumed once"):
         forksafe.from_dlpack(capsule)
+    with pytest.raises(forksafe.InvalidArgumentError, match="must be callable, got int"):
+        forksafe.Tensor.zeros([2])._dlpack_with_release(42)
+    if "sim:0" in forksafe.available_devices():
+        with pytest.raises(forksafe.InvalidArgumentError, match="CPU only"):
+            forksafe.Tensor.zeros([2], device="sim:0")._dlpack_with_release(lambda: None)
 
 
 def test_an_unconsumed_capsule_gives_the_tensor_back():
