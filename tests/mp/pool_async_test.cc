@@ -448,7 +448,7 @@ TEST(PoolForkInheritanceTest, AForkedWorkerHoldsNoOtherWorkersChannelNorAnUncoll
   // The parent's view is taken once the retired worker's replacement is running: while the pool
   // forks one, this process briefly holds that worker's own ends too, which it rightly keeps.
   const auto deadline = std::chrono::steady_clock::now() + 30s;
-  while (pool.pids() == first || pool.pids().size() != 2) {
+  for (std::vector<pid_t> now = first; now == first || now.size() != 2; now = pool.pids()) {
     ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the retired worker was not replaced";
     std::this_thread::sleep_for(5ms);
   }
