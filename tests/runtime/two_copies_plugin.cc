@@ -68,6 +68,7 @@ Copy& TheCopy() {
 
 struct Busy {
   std::atomic<bool> stop{false};
+  std::atomic<int> warm{0};  // 1 each for the feeder and the taker once they ran a first round
   std::thread feeder, taker;
 };
 Busy* g_busy = nullptr;     // between copy_start and copy_stop (test thread only)
@@ -157,7 +158,18 @@ int copy_work() {
   return 0;
 }
 
-// Starts the busy work. Returns 0, or 1 when it was already running.
+// Starts the busy work. Returns 0 once both of its threads ran a first round, 1 when it was
+// already running, 2 when they did not within 20 s (stopped again).
+//
+// Why the wait, and the feeder's posts under the held mutex under ASan: gcc 12's ASan does not
+// intercept fork (libasan.so.8 has no fork or atfork symbol), so its thread registry and its
+// allocator's locks (SizeClassAllocator64::GetFromAllocator, taken when a thread's cache refills)
+// are not held across fork. A fork while a thread is starting, or while a thread refills its
+// cache, can leave one held in the child, whose new pool threads then hang: CI's ASan run failed
+// fork 0 that way (the child's 64 tasks never ran; reproduced here). glibc's malloc is fork-safe,
+// so plain builds keep the feeder allocating across forks.
+void copy_stop();
+
 int copy_start() {
   if (g_busy != nullptr) return 1;
   Copy& c = TheCopy();
@@ -166,27 +178,43 @@ int copy_start() {
   b->feeder = std::thread([b, &c] {
     std::atomic<int64_t> sum{0};
     for (int i = 0; !b->stop.load(); ++i) {
-      c.pool->Post([&sum, i] { sum += i; });
-      // oneTBB from a pool worker (runtime/tbb_fork.h): both copies use the process's one oneTBB.
-      if (FORKSAFE_COPY_USES_TBB && i % 64 == 0) {
-        c.pool->Post([&sum] { sum += forksafe::testing::TbbSum(5000); });
+      {
+#if defined(__SANITIZE_ADDRESS__)
+        std::lock_guard<std::mutex> no_post_across_fork(c.held);
+#endif
+        c.pool->Post([&sum, i] { sum += i; });
+        // oneTBB from a pool worker (runtime/tbb_fork.h): both copies use the process's one
+        // oneTBB.
+        if (FORKSAFE_COPY_USES_TBB && i % 64 == 0) {
+          c.pool->Post([&sum] { sum += forksafe::testing::TbbSum(5000); });
+        }
       }
       if (i % 32 == 31) {
         c.pool->Wait();
+        if (i == 63) b->warm.fetch_add(1);  // a oneTBB task ran too
         std::this_thread::sleep_for(std::chrono::microseconds(200));
       }
     }
     c.pool->Wait();
   });
   b->taker = std::thread([b, &c] {
-    while (!b->stop.load()) {
+    for (int i = 0; !b->stop.load(); ++i) {
       {
         std::lock_guard<std::mutex> lk(c.held);
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
+      if (i == 9) b->warm.fetch_add(1);
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   });
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (b->warm.load() < 2) {
+    if (std::chrono::steady_clock::now() > until) {
+      copy_stop();
+      return 2;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   return 0;
 }
 

@@ -88,9 +88,9 @@ TEST(TwoCopiesTest, ForksManyTimesWhileBothCopiesAreBusy) {
   ASSERT_NE(c.primary, nullptr);
   ASSERT_EQ(c.primary->work(), 0);
   ASSERT_EQ(c.nested->work(), 0);
-  ASSERT_EQ(c.primary->start(), 0);
+  ASSERT_EQ(c.primary->start(), 0) << "2: its threads ran no first round in 20 s";
   const StopOnExit stop_primary{c.primary};  // also when an ASSERT below fails
-  ASSERT_EQ(c.nested->start(), 0);
+  ASSERT_EQ(c.nested->start(), 0) << "2: its threads ran no first round in 20 s";
   const StopOnExit stop_nested{c.nested};
   const uint64_t primary_forks = c.primary->fork_count();
   const uint64_t nested_forks = c.nested->fork_count();
