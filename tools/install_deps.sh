@@ -28,6 +28,7 @@ PACKAGES=(
                      # and torchrun (python3 -m torch.distributed.run) for the launcher tests
   openmpi-bin        # Open MPI's mpirun: //tests/mp:launchers_test (mp/launch.h)
   mpich              # MPICH's mpiexec (Hydra): //tests/mp:launchers_test
+  gdb                # a hung test child's thread stacks (tests/support/child_process.h)
 )
 
 missing=()

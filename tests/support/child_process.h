@@ -2,6 +2,12 @@
 //
 // Every helper here ends by itself: a child gets an alarm() so a hang kills it, and the parent
 // waits at most a given time, then SIGKILLs and reaps the child and reports the timeout.
+//
+// A hang says where it hung: before WaitChild kills a child that ran out of time, it prints the
+// stacks of every thread of that child to stderr (gdb -p, batch mode, bounded to 30 s; at most 4
+// children per test process; "no gdb" said once where there is none), between the lines
+// "=== stacks of hung child PID" and "=== end of stacks of hung child PID", which tools/test.sh
+// quotes under "how it failed". ExpectingHangs turns it off where hangs are the point.
 #ifndef FORKSAFE_TESTS_SUPPORT_CHILD_PROCESS_H_
 #define FORKSAFE_TESTS_SUPPORT_CHILD_PROCESS_H_
 
@@ -26,9 +32,24 @@ struct ChildResult {
   std::string Describe() const;
 };
 
-/// Waits for `pid` at most `timeout`; on expiry kills it with SIGKILL, reaps it, and reports
-/// timed_out.
+/// Waits for `pid` at most `timeout`; on expiry prints its threads' stacks (see above), kills it
+/// with SIGKILL, reaps it, and reports timed_out.
 ChildResult WaitChild(pid_t pid, std::chrono::milliseconds timeout);
+
+/// Prints the stacks of every thread of process `pid` to stderr with gdb (bounded to 30 s), framed
+/// as above. Returns false, having said why, when it printed none (no gdb, the budget of 4 per
+/// process spent, or ExpectingHangs in force).
+bool PrintStacksOfHungChild(pid_t pid);
+
+/// While one lives (in any thread), WaitChild prints no stacks: for tests that make children hang
+/// on purpose (a defect reproduced with its fix turned off).
+class ExpectingHangs {
+ public:
+  ExpectingHangs();
+  ~ExpectingHangs();
+  ExpectingHangs(const ExpectingHangs&) = delete;
+  ExpectingHangs& operator=(const ExpectingHangs&) = delete;
+};
 
 /// Forks; the child arms alarm(child_alarm_s), runs `body` and _exits with its return value
 /// (exit code 100 when it throws, after printing the exception; kChildLeakExitCode (101) when it
