@@ -2,6 +2,7 @@
 // ends is killed after its timeout, and before that the stacks of its threads reach stderr, framed
 // by the two marker lines tools/test.sh quotes, naming the function the child hangs in; under
 // ExpectingHangs nothing is printed. Where there is no gdb, the first case skips and says so.
+// Time in which the waiting thread itself did not run extends the wait.
 #include <signal.h>
 #include <unistd.h>
 
@@ -16,7 +17,9 @@ namespace {
 
 using namespace std::chrono_literals;
 
-bool HaveGdb() { return access("/usr/bin/gdb", X_OK) == 0 || system("command -v gdb >/dev/null 2>&1") == 0; }
+bool HaveGdb() {
+  return access("/usr/bin/gdb", X_OK) == 0 || system("command -v gdb >/dev/null 2>&1") == 0;
+}
 
 // Not inlined and not static-looking: its name must show in the child's stack.
 __attribute__((noinline)) void ThisChildHangsHere() {
@@ -67,6 +70,36 @@ TEST(HungChildStacksTest, NoStacksWhileHangsAreExpected) {
   EXPECT_TRUE(r.timed_out) << r.Describe();
   EXPECT_EQ(err.find("=== stacks of hung child"), std::string::npos) << err;
   EXPECT_EQ(kill(pid, 0), -1);
+}
+
+// The waiting thread stopped for 2.5 s (SIGSTOP to this process from a helper, as a paused
+// virtual machine would stop it) while its child, which needs 3 s, runs on: the 2 s deadline
+// counts only the time the waiter ran, so the child is waited for and exits with 0 (without the
+// stall rule the wait ends at 2 s, before the child).
+TEST(HungChildStacksTest, TimeTheWaiterDidNotRunDoesNotCountAgainstTheChild) {
+  fflush(nullptr);
+  const pid_t child = fork();
+  if (child == 0) {
+    alarm(60);
+    usleep(3000 * 1000);
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  const pid_t self = getpid();
+  const pid_t stopper = fork();
+  if (stopper == 0) {
+    alarm(60);
+    usleep(200 * 1000);
+    kill(self, SIGSTOP);
+    usleep(2500 * 1000);
+    kill(self, SIGCONT);
+    _exit(0);
+  }
+  ASSERT_GT(stopper, 0);
+  const ChildResult r = WaitChild(child, 2s);
+  const ChildResult s = WaitChild(stopper, 30s);
+  EXPECT_TRUE(s.ok()) << s.Describe();
+  EXPECT_TRUE(r.ok()) << r.Describe();
 }
 
 }  // namespace

@@ -76,8 +76,8 @@ while read -r target result _; do
                 grep -A4 -E ': Failure$|^E  ' "$testlogs/$rel/test.log" | head -15)"
       [ -z "$detail" ] && detail="$(tail -8 "$testlogs/$rel/test.log")"
       # A child that hung: the first one's thread stacks (tests/support/child_process.h).
-      stacks="$(sed -n '/^=== stacks of hung child/,/^=== end of stacks of hung child/p' \
-                  "$testlogs/$rel/test.log" | grep -E '^(===|Thread |#|\(|\* )' | head -90)"
+      stacks="$(sed -n '/^child [0-9]* still running/,/^=== end of stacks of hung child/p' \
+                  "$testlogs/$rel/test.log" | grep -E '^(===|Thread |#|\(|\* |  task |    \[k\] |child [0-9]+ still)' | head -90)"
       [ -n "$stacks" ] && detail="$detail"$'\n'"$stacks"
       failed_detail+=("--- $target${suite_label:+ [$suite_label]}" "$detail")
     fi

@@ -1,5 +1,7 @@
 #include "tests/support/child_process.h"
 
+#include <dirent.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -20,7 +22,13 @@
 namespace forksafe::testing {
 
 std::string ChildResult::Describe() const {
-  if (timed_out) return "timed out (killed by the test)";
+  if (timed_out) {
+    std::string d = "timed out (killed by the test";
+    if (exited_late) d += "; it had exited with " + std::to_string(late_exit_code) + " by then";
+    if (stalled.count() > 0)
+      d += "; the waiting thread stalled " + std::to_string(stalled.count()) + " ms";
+    return d + ")";
+  }
   if (exited) return "exited with " + std::to_string(exit_code);
   if (signal != 0) {
     return "killed by signal " + std::to_string(signal) + " (" + strsignal(signal) + ")";
@@ -53,6 +61,47 @@ std::string FindGdb() {
     if (access(candidate.c_str(), X_OK) == 0) return candidate;
   }
   return "";
+}
+
+// One line per thread of `pid` (state, wait channel) and its kernel stack where /proc gives it
+// (root): what gdb cannot show for a zombie or for a thread stuck in the kernel.
+void PrintTaskStates(pid_t pid) {
+  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) {
+    fprintf(stderr, "  task list of %d unreadable: %s\n", pid, strerror(errno));
+    return;
+  }
+  auto read_file = [](const std::string& path) {
+    std::string out;
+    if (FILE* f = fopen(path.c_str(), "r")) {
+      char buf[512];
+      size_t n;
+      while ((n = fread(buf, 1, sizeof buf, f)) > 0 && out.size() < 4096) out.append(buf, n);
+      fclose(f);
+    }
+    return out;
+  };
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    const std::string t = dir + "/" + e->d_name;
+    const std::string stat = read_file(t + "/stat");
+    const size_t paren = stat.rfind(')');
+    const char state =
+        paren != std::string::npos && paren + 2 < stat.size() ? stat[paren + 2] : '?';
+    const std::string comm = read_file(t + "/comm");
+    fprintf(stderr, "  task %s (%s) state %c wchan %s\n", e->d_name,
+            comm.substr(0, comm.find('\n')).c_str(), state, read_file(t + "/wchan").c_str());
+    const std::string stack = read_file(t + "/stack");
+    size_t start = 0;
+    for (int line = 0; line < 12 && start < stack.size(); ++line) {
+      const size_t end = stack.find('\n', start);
+      fprintf(stderr, "    [k] %s\n", stack.substr(start, end - start).c_str());
+      if (end == std::string::npos) break;
+      start = end + 1;
+    }
+  }
+  closedir(d);
 }
 
 }  // namespace
@@ -98,6 +147,7 @@ bool PrintStacksOfHungChild(pid_t pid) {
   posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
   fflush(stdout);
   fprintf(stderr, "=== stacks of hung child %d (%s)\n", pid, gdb.c_str());
+  PrintTaskStates(pid);
   fflush(stderr);
   pid_t gdb_pid = -1;
   const int rc = posix_spawn(&gdb_pid, gdb.c_str(), &actions, nullptr, argv.data(), environ);
@@ -126,9 +176,15 @@ bool PrintStacksOfHungChild(pid_t pid) {
 }
 
 ChildResult WaitChild(pid_t pid, std::chrono::milliseconds timeout) {
+  using Clock = std::chrono::steady_clock;
   ChildResult r;
   r.pid = pid;
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const auto start = Clock::now();
+  auto deadline = start + timeout;
+  const auto latest = start + 2 * timeout;  // stalls extend the wait at most this far
+  Clock::duration stalled{0};
+  auto prev = start;         // the last poll
+  Clock::duration slept{0};  // the sleep since then
   auto sleep = std::chrono::microseconds(50);
   int status = 0;
   for (;;) {
@@ -138,15 +194,37 @@ ChildResult WaitChild(pid_t pid, std::chrono::milliseconds timeout) {
       r.exited = false;
       return r;
     }
-    if (std::chrono::steady_clock::now() >= deadline) {
+    // A poll far later than its sleep: this thread did not run (the machine stalled, a virtual
+    // machine paused, a host's CPU quota), and the child most likely did not either. That time
+    // does not count against it.
+    const auto now = Clock::now();
+    const auto overslept = now - prev - slept;
+    if (overslept > std::chrono::milliseconds(250)) {
+      stalled += overslept;
+      deadline = std::min(latest, deadline + overslept);
+    }
+    prev = now;
+    if (now >= deadline) {
+      r.stalled = std::chrono::duration_cast<std::chrono::milliseconds>(stalled);
+      fprintf(stderr,
+              "child %d still running after %lld ms (this thread stalled for %lld ms of them)\n",
+              pid,
+              static_cast<long long>(
+                  std::chrono::duration_cast<std::chrono::milliseconds>(now - start).count()),
+              static_cast<long long>(r.stalled.count()));
       PrintStacksOfHungChild(pid);
       kill(pid, SIGKILL);
       while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
       }
       r.timed_out = true;
+      if (WIFEXITED(status)) {
+        r.exited_late = true;
+        r.late_exit_code = WEXITSTATUS(status);
+      }
       return r;
     }
     std::this_thread::sleep_for(sleep);
+    slept = sleep;
     if (sleep < std::chrono::milliseconds(5)) sleep *= 2;
   }
   if (WIFEXITED(status)) {

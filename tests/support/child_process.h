@@ -26,6 +26,12 @@ struct ChildResult {
   int exit_code = -1;
   int signal = 0;          ///< Killed by this signal (0 if it exited).
   bool timed_out = false;  ///< The parent gave up waiting and killed it.
+  /// When timed out: the child had exited by itself as the test gave up (it was slow, not hung;
+  /// late_exit_code is its code), and how long the waiting thread itself was stalled (see
+  /// WaitChild).
+  bool exited_late = false;
+  int late_exit_code = -1;
+  std::chrono::milliseconds stalled{0};
   /// True when the child exited with status 0.
   bool ok() const { return exited && exit_code == 0 && !timed_out; }
   /// "exited with 0", "killed by signal 9 (Killed)", "timed out (killed by the test)".
@@ -33,7 +39,10 @@ struct ChildResult {
 };
 
 /// Waits for `pid` at most `timeout`; on expiry prints its threads' stacks (see above), kills it
-/// with SIGKILL, reaps it, and reports timed_out.
+/// with SIGKILL, reaps it, and reports timed_out. Time in which the waiting thread did not run
+/// (a poll that overslept by more than 250 ms: the machine or the virtual machine stalled, and so,
+/// most likely, did the child) does not count against the child: it extends the wait, up to twice
+/// `timeout` in all.
 ChildResult WaitChild(pid_t pid, std::chrono::milliseconds timeout);
 
 /// Prints the stacks of every thread of process `pid` to stderr with gdb (bounded to 30 s), framed
