@@ -34,6 +34,8 @@
 
 namespace forksafe::runtime {
 
+class AtForkRegistry;
+
 /// Interface of a lock that can be held across fork(). Implementations must be usable from any
 /// thread; TryLockFor and Unlock are called by the at-fork registry on the forking thread.
 class FrameworkLock {
@@ -73,10 +75,21 @@ class DefaultFrameworkLock final : public FrameworkLock {
   void ResetInChild() override;
 
  private:
+  friend class AtForkRegistry;
+  // ResetInChild() followed, when the fork took the lock (`taken_by_fork`), by Unlock(), as the
+  // registry does for any lock, without asking the thread's id: the forking thread took it, so
+  // it is the owner exactly when `taken_by_fork` (a forked child runs no code it can skip: each
+  // code page it runs costs it a page fault). Not analysed: the child's only thread.
+  void ReleaseInChild(bool taken_by_fork) FORKSAFE_NO_THREAD_SAFETY_ANALYSIS;
+
   internal::Mutex mu_;
   internal::CondVar cv_;
   std::atomic<std::thread::id> owner_{};
   int depth_ FORKSAFE_GUARDED_BY(mu_) = 0;
+  // Threads inside cv_'s waits: Unlock wakes one only when there is one, and a child rebuilds cv_
+  // only when one waited at the fork (a forked child runs no code it can skip: each code page it
+  // runs costs it a page fault).
+  int waiters_ FORKSAFE_GUARDED_BY(mu_) = 0;
 };
 
 /// The lock the runtime holds across fork (the default one unless replaced).

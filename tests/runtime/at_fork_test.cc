@@ -516,5 +516,55 @@ TEST_F(AtForkTest, ARegistrationDestroyedInsideAForkCallbackIsRetiredAndReported
   EXPECT_EQ(prepares.load(), 1) << "the destroyed registration's handler ran again";
 }
 
+// PrepareAttempt::alone and HoldAcrossFork: a fork from the process's only thread neither locks
+// the held mutex nor unlocks it afterwards (no write to its page), and one with another thread
+// alive locks it as always. Run in a forked child (one thread; the registrations stay there).
+// A handler registered before the held mutex is prepared after it, and looks at the mutex.
+TEST(AtForkRegistryTest, AloneForkSkipsHoldAcrossForksLockAndAThreadBringsItBack) {
+  auto child = RunInChild(
+      [] {
+        static std::mutex m;
+        static int in_child_runs = 0;
+        static int seen = 0;  // 1: free during prepare, 2: held, 3: alone, 4: not alone
+        AtForkHandler probe;
+        probe.name = "probe";
+        probe.prepare = [](const PrepareAttempt& a) {
+          const bool was_free = m.try_lock();
+          if (was_free) m.unlock();
+          seen = (was_free ? 1 : 2) * 10 + (a.alone ? 3 : 4);
+          return true;
+        };
+        static int tag;
+        AtForkRegistry::Get().Register(&tag, std::move(probe));
+        HoldAcrossFork(&m, "held", [] { ++in_child_runs; });
+        auto body = [] {
+          if (in_child_runs != 1) return 1;  // in_child ran once here
+          if (!m.try_lock()) return 2;       // and the mutex is free in the child
+          m.unlock();
+          return 0;
+        };
+        if (!RunInChild(body, 20s, 20).ok()) return 10;
+        if (seen != 13) return 11;  // alone: not locked
+        if (!m.try_lock()) return 12;
+        m.unlock();
+        std::atomic<bool> stop{false};
+        std::thread other([&] {
+          while (!stop.load()) std::this_thread::sleep_for(1ms);
+        });
+        const bool ok = RunInChild(body, 20s, 20).ok();
+        stop = true;
+        other.join();
+        if (!ok) return 13;
+        if (seen != 24) return 14;     // another thread: held, as always
+        if (!m.try_lock()) return 15;  // and released in the parent
+        m.unlock();
+        return 0;
+      },
+      60s, 60);
+  EXPECT_TRUE(child.ok()) << child.Describe()
+                          << " (10/13 a grandchild failed, 11 locked although alone, 14 not "
+                             "locked with a second thread, 12/15 left locked in the parent)";
+}
+
 }  // namespace
 }  // namespace forksafe::runtime
