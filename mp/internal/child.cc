@@ -50,7 +50,7 @@ Lifeline& TheLifeline() {
 const bool g_lifeline_handler = [] {
   runtime::HoldAcrossFork(&TheLifeline().mu, "mp_lifeline", [] {
     Lifeline& l = TheLifeline();
-    l.mu.AssertHeld();  // HoldAcrossFork runs this in the child with the mutex held
+    l.mu.AssertHeld();  // the child's only thread: held, or free after a fork made alone
     // Written only when open: each page a child writes costs it a copy-on-write fault.
     if (l.read_end >= 0) {
       ::close(l.read_end);
