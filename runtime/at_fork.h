@@ -124,6 +124,9 @@
 //     must treat it as unusable and rebuild it; its child callback receives prepared == false.
 //   - A handle that points into another thread's stack, registered by a thread other than its
 //     owner, is not recognized as stack-owned: register from the thread that owns the object.
+//   - PrepareAttempt::alone reads the link count of /proc/self/task (Linux: 2 + the number of
+//     threads), checked once against a listing of that directory; without /proc, or where the two
+//     disagree, every fork counts as not alone (the full protocol, as before issue 19).
 #ifndef FORKSAFE_RUNTIME_AT_FORK_H_
 #define FORKSAFE_RUNTIME_AT_FORK_H_
 

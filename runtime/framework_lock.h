@@ -13,8 +13,9 @@
 //   - prepare waits for the lock for at most AtForkOptions::framework_lock_timeout; if another
 //     thread holds it longer, the fork proceeds, the event is reported (ForkEventKind::
 //     kFrameworkLockTimeout) and the child gets a fresh, unlocked lock.
-//   - In the child, ResetInChild() runs before any handler, so the child never waits on a lock
-//     whose owner did not survive the fork.
+//   - In the child, ResetInChild() runs before any handler (for the default lock: the same reset,
+//     and the fork's release, in one step that calls into glibc for none of it), so the child
+//     never waits on a lock whose owner did not survive the fork.
 //
 // Hazards
 //   - A pool task that waits for this lock while the forking thread holds it cannot finish before
