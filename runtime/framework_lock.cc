@@ -69,12 +69,10 @@ void DefaultFrameworkLock::ResetInChild() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   // Another thread may have held mu_ at the instant of the fork and does not exist here: rebuild
   // the internals in place (the old ones are abandoned, never destroyed).
   mu_.ResetAfterFork();
-  // Rebuilt only when a thread waited on it at the fork (none of them exists here); with no
-  // waiter it is consistent as it is. waiters_ is counted under mu_ before a wait begins.
-  if (waiters_ != 0) {
-    waiters_ = 0;
-    cv_.ResetAfterFork();
-  }
+  // Always rebuilt: Unlock notifies after releasing mu_, so another thread's signal may be in
+  // flight at the fork (its condvar-internal lock held) although waiters_ is already 0.
+  waiters_ = 0;
+  cv_.ResetAfterFork();
   if (owner_.load(std::memory_order_relaxed) != std::this_thread::get_id()) {
     owner_.store(std::thread::id(), std::memory_order_relaxed);
     depth_ = 0;
@@ -83,10 +81,8 @@ void DefaultFrameworkLock::ResetInChild() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
 
 void DefaultFrameworkLock::ReleaseInChild(bool taken_by_fork) {
   mu_.ResetAfterFork();
-  if (waiters_ != 0) {  // as in ResetInChild
-    waiters_ = 0;
-    cv_.ResetAfterFork();
-  }
+  waiters_ = 0;  // as in ResetInChild: always
+  cv_.ResetAfterFork();
   if (!taken_by_fork) {
     // Another thread held it at the fork, or nobody did (the forking thread never gives up its
     // own holding without the fork taking it back: SuspendForPrepare is false here).
