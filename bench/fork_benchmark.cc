@@ -8,6 +8,9 @@
 // "raw_clone" is the kernel alone (no glibc fork bookkeeping), for reference. "runtime_idle" is a
 // plain fork() with the runtime fully set up and idle: the default pool has run tasks (its workers
 // are parked), oneTBB has run a parallel algorithm, and the simulated accelerator is initialized.
+// "runtime never used" (run first) pairs a bare fork with one through a runtime that nothing has
+// used yet (no pool, no oneTBB algorithm), the process's only thread forking; the paired
+// benchmarks also report page faults per fork of each kind (parent + child).
 // "runtime_busy" forks while a feeder thread keeps the pool busy with short tasks. The paired
 // "busy ParallelFor" benchmark forks while a thread runs ParallelFor on a 1-thread pool (workload
 // 6 of bench/peers), against a bare fork in the same loop (target <= 1.5), and the next one times
@@ -117,31 +120,55 @@ void BM_RuntimeForkIdle(benchmark::State& state) {
 // ratio (target: <= 1.2).
 // Each iteration: one bare fork (forksafe's callbacks bypassed) and one fork through the runtime,
 // back to back, children exiting at once. Reports both means and their ratio as `ratio_name`.
+// Also counts page faults (parent + child, outside the timed spans) per fork of each kind.
 void TimePairedForks(benchmark::State& state, const char* ratio_name) {
   using Clock = std::chrono::steady_clock;
   Clock::duration bare{}, runtime{};
+  long bare_faults = 0, runtime_faults = 0;
+  auto faults = [] {
+    struct rusage self, kids;
+    getrusage(RUSAGE_SELF, &self);
+    getrusage(RUSAGE_CHILDREN, &kids);
+    return self.ru_minflt + kids.ru_minflt;
+  };
   for (auto _ : state) {
     forksafe::runtime::internal::SetAtForkBypassForBenchmark(true);
+    const long f0 = faults();
     auto t0 = Clock::now();
     pid_t pid = fork();
     if (pid == 0) _exit(0);
     WaitOrDie(pid, state);
     auto t1 = Clock::now();
     forksafe::runtime::internal::SetAtForkBypassForBenchmark(false);
+    const long f1 = faults();
+    auto t1b = Clock::now();
     pid = fork();
     if (pid == 0) _exit(0);
     WaitOrDie(pid, state);
     auto t2 = Clock::now();
+    const long f2 = faults();
     bare += t1 - t0;
-    runtime += t2 - t1;
+    runtime += t2 - t1b;
+    bare_faults += f1 - f0;
+    runtime_faults += f2 - f1;
   }
   const double n = static_cast<double>(state.iterations());
   const double bare_us = std::chrono::duration<double, std::micro>(bare).count() / n;
   const double runtime_us = std::chrono::duration<double, std::micro>(runtime).count() / n;
   state.counters["bare_us"] = bare_us;
   state.counters["runtime_us"] = runtime_us;
+  state.counters["bare_faults"] = bare_faults / n;
+  state.counters["runtime_faults"] = runtime_faults / n;
   state.counters[ratio_name] = runtime_us / bare_us;
 }
+
+// The same pairing in a process that links the runtime but has not used it yet (no pool, no
+// oneTBB algorithm, no device): the case of issue 19's "idle runtime fork within 1.2x a bare
+// fork". Registered first, so that it runs before SetUpRuntime() starts anything.
+void BM_PairedBareVsUnusedRuntime(benchmark::State& state) {
+  TimePairedForks(state, "unused_ratio");
+}
+BENCHMARK(BM_PairedBareVsUnusedRuntime)->UseRealTime()->MinTime(1.0)->Repetitions(5);
 
 void BM_PairedBareVsRuntime(benchmark::State& state) {
   SetUpRuntime();
@@ -288,7 +315,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
         ns_[r.run_name.function_name] = r.GetAdjustedRealTime();  // ns
         auto it = r.counters.find("ratio");
         if (it != r.counters.end()) paired_ratio_ = it->second.value;
-        for (const char* name : {"busy_ratio", "first_pf_ratio"}) {
+        for (const char* name : {"busy_ratio", "first_pf_ratio", "unused_ratio"}) {
           auto c = r.counters.find(name);
           if (c != r.counters.end()) other_ratios_[name] = c->second.value;
         }
@@ -330,6 +357,10 @@ int main(int argc, char** argv) {
          reporter.paired_ratio());
   if (bare > 0 && idle > 0) {
     printf("unpaired ratio runtime_idle / bare = %.2f\n", idle / bare);
+  }
+  if (reporter.other_ratio("unused_ratio") > 0) {
+    printf("paired ratio runtime never used / bare (median of 5) = %.2f  (target <= 1.20)\n",
+           reporter.other_ratio("unused_ratio"));
   }
   if (bare > 0 && busy > 0) printf("ratio runtime_busy / bare = %.2f\n", busy / bare);
   if (reporter.other_ratio("busy_ratio") > 0) {

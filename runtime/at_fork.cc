@@ -1,7 +1,10 @@
 #include "forksafe/runtime/at_fork.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -28,8 +31,7 @@ namespace forksafe::runtime {
 namespace {
 
 thread_local bool t_in_handler = false;
-thread_local bool t_rolling_back = false;  // parent callbacks run to undo a prepare
-std::atomic<uint64_t> g_fork_generation{0};
+thread_local bool t_rolling_back = false;     // parent callbacks run to undo a prepare
 std::atomic<bool> g_bypass{false};            // see runtime/internal/at_fork_bypass.h
 std::atomic<void (*)()> g_entering{nullptr};  // see runtime/internal/fork_entry.h
 std::atomic<void (*)()> g_entered{nullptr};
@@ -102,6 +104,39 @@ StackRange ThisThreadsStack() {
     return r;
   }();
   return range;
+}
+
+// Threads of this process by listing /proc/self/task (stops counting at 3); -1 when unknown.
+int ListedThreads() {
+  const int fd = open("/proc/self/task", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  alignas(8) char buf[512];
+  int n = 0;
+  for (long got; n < 3 && (got = syscall(SYS_getdents64, fd, buf, sizeof buf)) > 0;) {
+    for (long off = 0; off < got;) {
+      const auto* d = reinterpret_cast<const dirent64*>(buf + off);
+      if (d->d_name[0] != '.') ++n;
+      off += d->d_reclen;
+    }
+  }
+  close(fd);
+  return n;
+}
+
+// True when the calling thread is the process's only thread. One stat(): Linux gives
+// /proc/self/task a link count of 2 + the number of threads (proc_task_getattr). The first time
+// that count says "one thread", it is checked once against a listing of the directory; a procfs
+// whose link count disagrees (an emulation that does not count threads there) turns the rule off
+// for the process, and every fork then counts as not alone (the behaviour without it).
+bool OnlyThread() {
+  static std::atomic<int> trusted{0};  // 0: not yet checked, 1: trusted, -1: not
+  struct stat st;
+  if (stat("/proc/self/task", &st) != 0 || st.st_nlink != 3) return false;
+  const int t = trusted.load(std::memory_order_relaxed);
+  if (t != 0) return t > 0;
+  const bool agrees = ListedThreads() == 1;
+  trusted.store(agrees ? 1 : -1, std::memory_order_relaxed);
+  return agrees;
 }
 
 // Runs a parent/child callback; an exception becomes an event.
@@ -354,7 +389,11 @@ void AtForkRegistry::Prepare() {
   {
     // The wait takes a std::unique_lock: one that adopts mu_ and lets go of it without unlocking.
     std::unique_lock<std::mutex> lk(mu_.native(), std::adopt_lock);
-    while (forking_) fork_done_.native().wait(lk);
+    if (forking_) {
+      ++fork_waiters_;  // the child rebuilds fork_done_ only when a thread waited on it
+      while (forking_) fork_done_.native().wait(lk);
+      --fork_waiters_;
+    }
     lk.release();
   }
   forking_ = true;
@@ -371,8 +410,9 @@ void AtForkRegistry::Prepare() {
   for (int attempt = 1; attempt <= max_attempts; ++attempt) {
     const bool last = attempt == max_attempts || Clock::now() >= deadline;
     current_.attempts = attempt;
-    if (PrepareRound(PrepareAttempt{attempt, last, current_.fork_number, deadline, deadline},
-                     deadline, started)) {
+    PrepareAttempt a{attempt, last, current_.fork_number, deadline, deadline};
+    a.alone = OnlyThread();
+    if (PrepareRound(a, deadline, started)) {
       break;
     }
     // Nothing is prepared now. Let other threads (un)register meanwhile: the thread that holds
@@ -399,10 +439,19 @@ void AtForkRegistry::Prepare() {
 // attempt_wait), or until the deadline on the last attempt.
 bool AtForkRegistry::PrepareRound(PrepareAttempt attempt, Clock::time_point cap,
                                   Clock::time_point started) {
-  for (Entry& e : entries_) e.prepared = false;  // entries may have been added since the last
+  if (alone_ != attempt.alone) alone_ = attempt.alone;  // read by ForkingThreadAlone()
+  // Each entry's `prepared` is set as the round reaches it, and written only when it changes:
+  // the entries' page is then not written on a fork like the last one (each page written
+  // around a fork costs a copy-on-write fault).
+  auto set_prepared = [](Entry& e, bool v) {
+    if (e.prepared != v) e.prepared = v;
+  };
   for (size_t i = entries_.size(); i-- > 0;) {
     Entry& e = entries_[i];
-    if (e.retired) continue;  // never called again (AtForkRegistration)
+    if (e.retired) {  // never called again (AtForkRegistration)
+      set_prepared(e, false);
+      continue;
+    }
     bool ok = true;
     if (e.handler.prepare) {
       attempt.wait_until =
@@ -418,10 +467,8 @@ bool AtForkRegistry::PrepareRound(PrepareAttempt attempt, Clock::time_point cap,
         ReportEvent(ForkEventKind::kHandlerThrew, e.handler.name, "prepare threw");
       }
     }
-    if (ok) {
-      e.prepared = true;
-      continue;
-    }
+    set_prepared(e, ok);
+    if (ok) continue;
     if (attempt.last) {
       Report(ForkEventKind::kPrepareGaveUp, e.handler.name, [&] {
         return absl::StrCat(
@@ -435,6 +482,7 @@ bool AtForkRegistry::PrepareRound(PrepareAttempt attempt, Clock::time_point cap,
     Report(ForkEventKind::kPrepareRetried, e.handler.name, [&] {
       return absl::StrCat("not ready on attempt ", attempt.number, "; rolled back and retried");
     });
+    for (size_t k = 0; k < i; ++k) set_prepared(entries_[k], false);  // not reached this round
     RollBack(i + 1);
     return false;
   }
@@ -522,12 +570,17 @@ void AtForkRegistry::Parent() {
   internal::CallListener(listener, report);
 }
 
-void AtForkRegistry::Child() noexcept {
-  g_fork_generation.fetch_add(1, std::memory_order_relaxed);
+// Not analysed: it ends by re-creating mu_ unlocked (the release the declaration announces).
+void AtForkRegistry::Child() noexcept FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  generation_.fetch_add(1, std::memory_order_relaxed);
   try {
     FrameworkLock& fl = GetFrameworkLock();
-    fl.ResetInChild();
-    if (framework_lock_taken_) fl.Unlock();
+    if (&fl == &default_framework_lock_) {
+      default_framework_lock_.ReleaseInChild(framework_lock_taken_);  // the same, in one step
+    } else {
+      fl.ResetInChild();
+      if (framework_lock_taken_) fl.Unlock();
+    }
   } catch (...) {
     // A custom lock that throws in the child: the registry must still be unlocked below.
   }
@@ -538,21 +591,36 @@ void AtForkRegistry::Child() noexcept {
   DropRetired();
   // Objects on the stacks of threads that do not exist here: glibc hands those stacks to the
   // child's next threads, so the objects' memory is about to be reused. Their child callbacks
-  // just ran on intact memory; no later fork of this process may touch them again.
-  const pthread_t self = pthread_self();
-  entries_.erase(std::remove_if(entries_.begin(), entries_.end(),
-                                [&](const Entry& e) {
-                                  return e.on_owner_stack && !pthread_equal(e.owner, self);
-                                }),
-                 entries_.end());
+  // just ran on intact memory; no later fork of this process may touch them again. (Only looked
+  // for when there is one: each code page the child runs costs it a page fault.)
+  if (std::any_of(entries_.begin(), entries_.end(),
+                  [](const Entry& e) { return e.on_owner_stack; })) {
+    const pthread_t self = pthread_self();
+    entries_.erase(std::remove_if(entries_.begin(), entries_.end(),
+                                  [&](const Entry& e) {
+                                    return e.on_owner_stack && !pthread_equal(e.owner, self);
+                                  }),
+                   entries_.end());
+  }
   fork_count_ = 0;              // the child has made no fork of its own yet
   last_ = std::move(current_);  // no allocation: cannot throw
   t_in_handler = false;
   forking_ = false;
-  // Threads of the parent may have waited on it; none of them exists here.
-  fork_done_.ResetAfterFork();
-  // This thread locked mu_ in Prepare() and is the same thread here: unlocking is well defined.
+  // Threads of the parent that waited on it do not exist here: rebuild it when there were any
+  // (a condition variable nobody waited on is consistent as it is).
+  if (fork_waiters_ != 0) {
+    fork_waiters_ = 0;
+    fork_done_.ResetAfterFork();
+  }
+  // This thread locked mu_ in Prepare() and is the child's only thread: re-creating the mutex
+  // unlocked releases it as unlocking would, in inline stores on the registry's page (written
+  // above anyway), where unlocking would run glibc's unlock code, a page fault in the child.
+  // ThreadSanitizer, which would take the next lock for a double lock, sees a plain unlock.
+#if defined(__SANITIZE_THREAD__)
   mu_.Unlock();
+#else
+  mu_.ResetAfterFork();
+#endif
 }
 
 namespace internal {
@@ -659,18 +727,23 @@ void HoldNativeAcrossFork(std::mutex* mu, const void* handle, std::string name,
                           std::function<void()> in_child) {
   AtForkHandler h;
   h.name = std::move(name);
-  h.prepare = [mu](const PrepareAttempt& attempt) { return LockNativeForFork(*mu, attempt); };
+  h.prepare = [mu](const PrepareAttempt& attempt) {
+    return attempt.alone || LockNativeForFork(*mu, attempt);
+  };
   h.parent = [mu](bool prepared) {
-    if (prepared) mu->unlock();
+    if (prepared && !ForkingThreadAlone()) mu->unlock();
   };
   h.child = [mu, in_child = std::move(in_child)](bool prepared) {
-    if (!prepared) {
+    // Alone: prepare took nothing (no other thread existed to exclude) and nothing is unlocked,
+    // so the mutex's page is not written in the child for it.
+    const bool held = !ForkingThreadAlone();
+    if (!prepared && held) {
       // Another thread held it at the fork and does not exist here: a fresh, unlocked mutex.
       new (mu) std::mutex();
       mu->lock();
     }
     if (in_child) in_child();
-    mu->unlock();
+    if (held) mu->unlock();
   };
   AtForkRegistry::Get().Register(handle, std::move(h));
 }
@@ -698,6 +771,11 @@ void HoldAcrossFork(internal::Mutex* mu, std::string name, std::function<void()>
 
 bool InForkHandler() { return t_in_handler; }
 
+// Not analysed: read on the forking thread, which holds the registry's lock while t_in_handler.
+bool ForkingThreadAlone() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  return t_in_handler && g_this_registry != nullptr && g_this_registry->alone_;
+}
+
 namespace internal {
 void SetAtForkBypassForBenchmark(bool bypass) { g_bypass.store(bypass); }
 void SetForkEntryHooks(void (*entering)(), void (*entered)()) {
@@ -706,7 +784,10 @@ void SetForkEntryHooks(void (*entering)(), void (*entered)()) {
 }
 }  // namespace internal
 
-uint64_t ForkGeneration() { return g_fork_generation.load(std::memory_order_relaxed); }
+uint64_t ForkGeneration() {
+  return g_this_registry != nullptr ? g_this_registry->generation_.load(std::memory_order_relaxed)
+                                    : 0;
+}
 
 namespace {
 // The registry is made, and this copy's role decided, at load time: constructors run one at a

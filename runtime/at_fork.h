@@ -55,6 +55,10 @@
 //   rolls back and retries, which lets a thread that holds the lock while it waits for something
 //   a prepared subsystem paused make progress. On the last attempt a refusal is final: the fork
 //   proceeds, the handler's parent and child callbacks get prepared == false.
+//   A prepare callback starts no thread: such a thread does not exist in the child, and each
+//   round counts the process's threads once, as it begins (PrepareAttempt::alone: a fork from a
+//   process's only thread, where forksafe's handlers skip their locks and oneTBB's finalize, so
+//   that an idle fork writes few pages).
 //
 // One registry per process, even with several copies of forksafe
 //   A process may hold several copies of forksafe: a program that links it statically and loads
@@ -120,11 +124,15 @@
 //     must treat it as unusable and rebuild it; its child callback receives prepared == false.
 //   - A handle that points into another thread's stack, registered by a thread other than its
 //     owner, is not recognized as stack-owned: register from the thread that owns the object.
+//   - PrepareAttempt::alone reads the link count of /proc/self/task (Linux: 2 + the number of
+//     threads), checked once against a listing of that directory; without /proc, or where the two
+//     disagree, every fork counts as not alone (the full protocol, as before issue 19).
 #ifndef FORKSAFE_RUNTIME_AT_FORK_H_
 #define FORKSAFE_RUNTIME_AT_FORK_H_
 
 #include <pthread.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -147,6 +155,15 @@ struct PrepareAttempt {
   /// How long this prepare call may block: a slice (AtForkOptions::attempt_wait) on an attempt
   /// that can still be retried, the deadline on the last one.
   std::chrono::steady_clock::time_point wait_until{};
+  /// True when, as this round began, the forking thread was the process's only thread (counted
+  /// once per round, from the kernel's thread count): no other thread can hold or take a lock
+  /// before the fork, so a handler may skip work whose only purpose is to exclude or stop other
+  /// threads (forksafe's own handlers then skip taking their locks, and oneTBB's finalize: each
+  /// page written around a fork costs a copy-on-write fault in the parent and in the child).
+  /// Stays true for the round only if prepare callbacks start no thread (they must not: a thread
+  /// started in prepare is not in the child and can take locks already prepared). Always false in
+  /// a copy of forksafe nested in another's registry.
+  bool alone = false;
 };
 
 /// The callbacks of one subsystem. Any of them may be empty.
@@ -318,10 +335,16 @@ class alignas(1024) AtForkRegistry {
   ForkReport last_ FORKSAFE_GUARDED_BY(mu_);
   uint64_t fork_count_ FORKSAFE_GUARDED_BY(mu_) = 0;
   bool framework_lock_taken_ FORKSAFE_GUARDED_BY(mu_) = false;
+  bool alone_ FORKSAFE_GUARDED_BY(mu_) = false;    // the latest round's PrepareAttempt::alone
+  int fork_waiters_ FORKSAFE_GUARDED_BY(mu_) = 0;  // threads waiting on fork_done_
+  // ForkGeneration(): here rather than in a global, so that the child writes no other page.
+  std::atomic<uint64_t> generation_{0};
   std::function<void(const ForkReport&)> listener_ FORKSAFE_GUARDED_BY(mu_);
   DefaultFrameworkLock default_framework_lock_;  // on the same page as mu_ (see above)
 
   friend DefaultFrameworkLock& internal_default_framework_lock();
+  friend bool ForkingThreadAlone();
+  friend uint64_t ForkGeneration();
 };
 
 /// RAII registration: registers in the constructor, unregisters in the destructor. Destroyed
@@ -341,7 +364,10 @@ class AtForkRegistration {
 };
 
 /// Holds `mu` across every fork: locked in prepare, unlocked in the parent, and unlocked in the
-/// child after `in_child` ran (with the lock still held, on the child's only thread). The common
+/// child after `in_child` ran (with the lock still held, on the child's only thread). When the
+/// forking thread is the process's only thread (PrepareAttempt::alone) no other thread can hold
+/// or take `mu`, and it is neither locked nor unlocked (no write to its page around the fork);
+/// `in_child` still runs, on the child's only thread, with `mu` free. The common
 /// case of a subsystem whose state is guarded by one mutex: no thread is half-way through it at
 /// the fork, and the child can reset it safely. `mu` is the registration handle: it must
 /// outlive its registration. Before a mutex that does not live for the rest of the process goes
@@ -369,6 +395,12 @@ bool LockForFork(internal::Mutex& mu, const PrepareAttempt& attempt)
 
 /// True on the thread that is running at-fork handlers, while it runs them.
 bool InForkHandler();
+
+/// On the forking thread inside a fork's callbacks (prepare, parent, child, roll-back): the
+/// PrepareAttempt::alone of that fork's latest prepare round. False elsewhere. A handler whose
+/// prepare skipped taking a lock because the round was alone reads it in parent and child to
+/// skip the unlock.
+bool ForkingThreadAlone();
 
 /// 0 in a process that was not created by fork() since the program started (or exec'd);
 /// incremented in each forked child, so a child compares it to detect inherited state.

@@ -13,7 +13,11 @@ void DefaultFrameworkLock::Lock() {
     ++depth_;
     return;
   }
-  while (depth_ != 0) cv_.Wait(&lk);
+  if (depth_ != 0) {
+    ++waiters_;
+    while (depth_ != 0) cv_.Wait(&lk);
+    --waiters_;
+  }
   owner_.store(self, std::memory_order_relaxed);
   depth_ = 1;
 }
@@ -28,11 +32,13 @@ bool DefaultFrameworkLock::TryLockFor(std::chrono::nanoseconds timeout) {
   // As std::condition_variable::wait_for with a predicate: one deadline on the steady clock.
   const auto until = std::chrono::steady_clock::now() +
                      std::chrono::ceil<std::chrono::steady_clock::duration>(timeout);
-  while (depth_ != 0) {
-    if (!cv_.WaitUntil(&lk, until)) {
-      if (depth_ != 0) return false;
-      break;
+  if (depth_ != 0) {
+    ++waiters_;
+    while (depth_ != 0) {
+      if (!cv_.WaitUntil(&lk, until)) break;
     }
+    --waiters_;
+    if (depth_ != 0) return false;
   }
   owner_.store(self, std::memory_order_relaxed);
   depth_ = 1;
@@ -48,8 +54,9 @@ void DefaultFrameworkLock::Unlock() {
   }
   if (--depth_ != 0) return;
   owner_.store(std::thread::id(), std::memory_order_relaxed);
+  const bool wake = waiters_ != 0;  // a thread that waits later sees depth_ == 0 first
   lk.Unlock();
-  cv_.NotifyOne();
+  if (wake) cv_.NotifyOne();
 }
 
 bool DefaultFrameworkLock::HeldByCurrentThread() const {
@@ -62,11 +69,30 @@ void DefaultFrameworkLock::ResetInChild() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   // Another thread may have held mu_ at the instant of the fork and does not exist here: rebuild
   // the internals in place (the old ones are abandoned, never destroyed).
   mu_.ResetAfterFork();
+  // Always rebuilt: Unlock notifies after releasing mu_, so another thread's signal may be in
+  // flight at the fork (its condvar-internal lock held) although waiters_ is already 0.
+  waiters_ = 0;
   cv_.ResetAfterFork();
   if (owner_.load(std::memory_order_relaxed) != std::this_thread::get_id()) {
     owner_.store(std::thread::id(), std::memory_order_relaxed);
     depth_ = 0;
   }
+}
+
+void DefaultFrameworkLock::ReleaseInChild(bool taken_by_fork) {
+  mu_.ResetAfterFork();
+  waiters_ = 0;  // as in ResetInChild: always
+  cv_.ResetAfterFork();
+  if (!taken_by_fork) {
+    // Another thread held it at the fork, or nobody did (the forking thread never gives up its
+    // own holding without the fork taking it back: SuspendForPrepare is false here).
+    if (depth_ != 0 || owner_.load(std::memory_order_relaxed) != std::thread::id()) {
+      owner_.store(std::thread::id(), std::memory_order_relaxed);
+      depth_ = 0;
+    }
+    return;
+  }
+  if (--depth_ == 0) owner_.store(std::thread::id(), std::memory_order_relaxed);
 }
 
 namespace {

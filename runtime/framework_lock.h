@@ -13,8 +13,9 @@
 //   - prepare waits for the lock for at most AtForkOptions::framework_lock_timeout; if another
 //     thread holds it longer, the fork proceeds, the event is reported (ForkEventKind::
 //     kFrameworkLockTimeout) and the child gets a fresh, unlocked lock.
-//   - In the child, ResetInChild() runs before any handler, so the child never waits on a lock
-//     whose owner did not survive the fork.
+//   - In the child, ResetInChild() runs before any handler (for the default lock: the same reset,
+//     and the fork's release, in one step that calls into glibc for none of it), so the child
+//     never waits on a lock whose owner did not survive the fork.
 //
 // Hazards
 //   - A pool task that waits for this lock while the forking thread holds it cannot finish before
@@ -33,6 +34,8 @@
 #include "forksafe/runtime/internal/mutex.h"
 
 namespace forksafe::runtime {
+
+class AtForkRegistry;
 
 /// Interface of a lock that can be held across fork(). Implementations must be usable from any
 /// thread; TryLockFor and Unlock are called by the at-fork registry on the forking thread.
@@ -73,10 +76,21 @@ class DefaultFrameworkLock final : public FrameworkLock {
   void ResetInChild() override;
 
  private:
+  friend class AtForkRegistry;
+  // ResetInChild() followed, when the fork took the lock (`taken_by_fork`), by Unlock(), as the
+  // registry does for any lock, without asking the thread's id: the forking thread took it, so
+  // it is the owner exactly when `taken_by_fork` (a forked child runs no code it can skip: each
+  // code page it runs costs it a page fault). Not analysed: the child's only thread.
+  void ReleaseInChild(bool taken_by_fork) FORKSAFE_NO_THREAD_SAFETY_ANALYSIS;
+
   internal::Mutex mu_;
   internal::CondVar cv_;
   std::atomic<std::thread::id> owner_{};
   int depth_ FORKSAFE_GUARDED_BY(mu_) = 0;
+  // Threads inside cv_'s waits: Unlock wakes one only when there is one, and a child rebuilds cv_
+  // only when one waited at the fork (a forked child runs no code it can skip: each code page it
+  // runs costs it a page fault).
+  int waiters_ FORKSAFE_GUARDED_BY(mu_) = 0;
 };
 
 /// The lock the runtime holds across fork (the default one unless replaced).

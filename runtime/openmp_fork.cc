@@ -88,6 +88,7 @@ struct OpenMpForkState {
   // The fork whose attempts `counted` describes (PrepareAttempt::fork_number), and what was
   // already counted or reported in it. Forking thread only, under the registry's lock.
   uint64_t counted_fork = 0;
+  uint64_t counted_generation = 0;  // ForkGeneration() then: a child's fork 1 is not its parent's
   unsigned counted = 0;
   // The last walk's runtimes (the loader's copies of their paths) and the loader's stamp it was
   // made at (0: none, or unknown): while the stamp stays, the same objects are loaded, and
@@ -282,18 +283,32 @@ bool GnuRuntime(OpenMpForkState& st, const Runtime& r, const PrepareAttempt& att
   return false;
 }
 
+bool PrepareRuntimes(OpenMpForkState& st, const PrepareAttempt& attempt, uint64_t stamp, bool same);
+
 bool Prepare(const PrepareAttempt& attempt) {
   OpenMpForkState& st = StateRef();
-  st.child_unusable = false;
-  if (attempt.fork_number != st.counted_fork) {
-    st.counted_fork = attempt.fork_number;
-    st.counted = 0;
-  }
+  // Fields are written only when they change, and the per-fork counting only once a runtime is
+  // there: in a process without OpenMP, prepare, parent and child write nothing (each page
+  // written around a fork costs a copy-on-write fault in the parent and in the child).
+  if (st.child_unusable) st.child_unusable = false;
   // A process whose OpenMP an earlier fork left unusable keeps it so (and so do its children).
   if (!st.usable.load() || st.bypass.load()) return true;
   const uint64_t stamp = internal::LoadedObjectsStamp();
   const bool same = stamp != 0 && stamp == st.walk_stamp;
   if (same && st.walk_count == 0) return true;  // no runtime, nothing loaded since
+  return PrepareRuntimes(st, attempt, stamp, same);
+}
+
+// Prepare's work once an OpenMP runtime may be loaded. Not inlined: its frame holds a Found
+// (over a kilobyte), which an idle fork's prepare then does not reach into (a stack page the
+// fork touches is a page fault in each process).
+__attribute__((noinline)) bool PrepareRuntimes(OpenMpForkState& st, const PrepareAttempt& attempt,
+                                               uint64_t stamp, bool same) {
+  if (attempt.fork_number != st.counted_fork || ForkGeneration() != st.counted_generation) {
+    st.counted_fork = attempt.fork_number;
+    st.counted_generation = ForkGeneration();
+    st.counted = 0;
+  }
   Found found = same ? Walk(/*pause=*/true, st.walk_paths, st.walk_count) : Walk(/*pause=*/true);
   for (int i = 0; i < found.count; ++i) {
     if (found.runtimes[i].pause_after_walk) CallGnu(&found.runtimes[i]);  // see GnuInWalk
@@ -325,14 +340,19 @@ void InstallOpenMpForkHandler() {
     AtForkHandler h;
     h.name = "openmp";
     h.prepare = Prepare;
-    h.parent = [](bool) { StateRef().child_unusable = false; };
+    // Both write only what changed (see Prepare).
+    h.parent = [](bool) {
+      OpenMpForkState& st = StateRef();
+      if (st.child_unusable) st.child_unusable = false;
+    };
     h.child = [](bool prepared) {
       OpenMpForkState& st = StateRef();
-      if (!prepared || st.child_unusable) st.usable.store(false);
-      st.child_unusable = false;
-      st.counted_fork = 0;  // the child numbers its own forks from 1
-      st.counted = 0;
-      st.ordering_busy.store(false);  // an ordering pass another thread was making is gone
+      if ((!prepared || st.child_unusable) && st.usable.load()) st.usable.store(false);
+      if (st.child_unusable) st.child_unusable = false;
+      // counted_fork and counted stay: the child numbers its forks from 1 again, but in another
+      // ForkGeneration(), so its first prepare starts counting afresh.
+      // An ordering pass another thread was making is gone.
+      if (st.ordering_busy.load()) st.ordering_busy.store(false);
     };
     static int tag;
     AtForkRegistry::Get().Register(&tag, std::move(h));

@@ -14,6 +14,7 @@
 #include "forksafe/runtime/internal/mutex.h"
 #include "forksafe/runtime/openmp_fork.h"
 #include "oneapi/tbb/global_control.h"
+#include "oneapi/tbb/task_arena.h"
 
 namespace forksafe::runtime {
 namespace {
@@ -26,6 +27,9 @@ struct TbbForkState {
   // A lifetime handle, held at all times except for a moment inside prepare (see HoldScheduler).
   tbb::task_scheduler_handle handle FORKSAFE_GUARDED_BY(mu);
   std::atomic<bool> usable{true};
+  // Whether the last successful prepare left `mu` locked (false: it returned early, alone). Only
+  // the forking thread touches it, under the registry's lock.
+  bool took_lock = false;
   std::atomic<uint64_t> finalized{0};
   std::atomic<uint64_t> refused{0};
   std::atomic<uint64_t> gave_up{0};
@@ -118,6 +122,18 @@ bool Prepare(const PrepareAttempt& attempt) FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   // A process whose oneTBB was left inconsistent by an earlier fork must not touch it again;
   // its children inherit the "unusable" flag.
   if (!st.usable.load()) return true;
+  // The forking thread is the process's only thread and has not entered oneTBB since the last
+  // finalize: oneTBB has no worker to join, no thread is inside oneTBB or ReleaseTbbScheduler,
+  // and the fork does not come from inside a oneTBB task, so there is nothing to finalize or
+  // lock. Finalizing and attaching again would write half a dozen pages (oneTBB's and
+  // tbbmalloc's), each a copy-on-write fault per fork (tbb_fork.h, "Skipped when idle"). Only
+  // while the handle is held: after ReleaseTbbScheduler the next fork holds it again, as always.
+  // Reading it without st.mu is safe here: no other thread exists.
+  if (attempt.alone && st.handle &&
+      tbb::this_task_arena::current_thread_index() == tbb::task_arena::not_initialized) {
+    if (st.took_lock) st.took_lock = false;  // written on a change only (a page per write)
+    return true;
+  }
   // Unlocked in the parent and child handlers, or below when returning false. Held elsewhere
   // only for an instant (ReleaseTbbScheduler), but a prepare never waits without bound.
   if (!LockForFork(st.mu, attempt)) {
@@ -128,7 +144,10 @@ bool Prepare(const PrepareAttempt& attempt) FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
     }
     return false;
   }
-  if (FinalizeScheduler(st)) return true;  // st.mu stays held until parent/child
+  if (FinalizeScheduler(st)) {
+    if (!st.took_lock) st.took_lock = true;
+    return true;  // st.mu stays held until parent/child
+  }
   st.mu.Unlock();
   st.refused.fetch_add(1, std::memory_order_relaxed);
   if (!attempt.last) return false;
@@ -163,9 +182,10 @@ void InstallTbbForkHandler() {
     // Prepare left the scheduler held, for both processes; only its lock is left to release.
     // `prepared` is false when prepare gave up (it released the lock itself) and also in a
     // process where oneTBB is unusable (prepare took nothing).
+    // After a prepare that returned early (the forking thread was alone) nothing is released.
     h.parent = [](bool prepared) {
       TbbForkState& st = StateRef();
-      if (prepared && st.usable.load()) {
+      if (prepared && st.usable.load() && st.took_lock) {
         st.mu.AssertHeld();  // this thread took it in prepare
         st.mu.Unlock();
       }
@@ -180,7 +200,7 @@ void InstallTbbForkHandler() {
         st.mu.ResetAfterFork();
         return;
       }
-      if (st.usable.load()) {
+      if (st.usable.load() && st.took_lock) {
         st.mu.AssertHeld();  // this thread locked it in prepare
         st.mu.Unlock();
       }

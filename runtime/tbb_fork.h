@@ -16,10 +16,25 @@
 //     after the fork for it. Holding it means oneTBB's scheduler is only ever shut down by this
 //     handler's blocking finalize, which joins every worker: oneTBB never shuts its workers down
 //     detached (see "Hazard: detached workers" below).
+//   - Skipped when idle: when the forking thread is the process's only thread
+//     (PrepareAttempt::alone) and has not run a oneTBB algorithm since the last finalize, prepare
+//     neither finalizes nor takes its lock: oneTBB then has no worker to join and nothing inside
+//     it, and the child inherits it as the parent has it (attached, no workers). This keeps a
+//     process that never used oneTBB from paying for it on every fork: finalize + attach wrote
+//     about six pages of oneTBB and tbbmalloc, each a copy-on-write page fault per fork (issue
+//     19; docs/performance.md, "Idle fork"). Any other thread (a pool worker, a oneTBB worker, a
+//     thread of the program) or a forking thread that ran oneTBB (it may be inside a task) gives
+//     the full protocol below. Not skipped while the handle is released (ReleaseTbbScheduler).
 //   - If finalize fails (another thread is inside a parallel algorithm, or the fork comes from
 //     inside a oneTBB task), prepare says "not yet" and the registry retries with back-off. After
 //     the last attempt the fork proceeds, ForkEventKind::kSubsystemUnusable is reported, and
 //     TbbUsableInThisProcess() is false in that child: it must not call oneTBB.
+//
+// Hazard: a prepare callback that starts a thread
+//   "Alone" is counted as each prepare round begins. A thread started by a prepare callback that
+//   runs before this one (one registered later) and that makes its first oneTBB call before the
+//   fork would find oneTBB unquiesced. Prepare callbacks must not start threads
+//   (runtime/at_fork.h).
 //
 // Hazard: threads outside forksafe that use oneTBB
 //   oneTBB's finalize succeeds only when no other thread holds a reference to its scheduler, and

@@ -50,10 +50,16 @@ Lifeline& TheLifeline() {
 const bool g_lifeline_handler = [] {
   runtime::HoldAcrossFork(&TheLifeline().mu, "mp_lifeline", [] {
     Lifeline& l = TheLifeline();
-    l.mu.AssertHeld();  // HoldAcrossFork runs this in the child with the mutex held
-    if (l.read_end >= 0) ::close(l.read_end);
-    if (l.write_end >= 0) ::close(l.write_end);
-    l.read_end = l.write_end = -1;
+    l.mu.AssertHeld();  // the child's only thread: held, or free after a fork made alone
+    // Written only when open: each page a child writes costs it a copy-on-write fault.
+    if (l.read_end >= 0) {
+      ::close(l.read_end);
+      l.read_end = -1;
+    }
+    if (l.write_end >= 0) {
+      ::close(l.write_end);
+      l.write_end = -1;
+    }
   });
   runtime::internal::RegisterKeptResources("mp_lifeline", [](runtime::internal::KeptResources& k) {
     Lifeline& l = TheLifeline();

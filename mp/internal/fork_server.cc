@@ -238,10 +238,13 @@ const bool g_server_handler = [] {
   // was held across the fork, so no thread was using the socket: closing it is safe.
   runtime::HoldAcrossFork(&TheServer().mu, "mp_forkserver", [] {
     ForkServer& s = TheServer();
-    s.mu.AssertHeld();  // HoldAcrossFork runs this in the child with the mutex held
-    s.requests.close();
-    s.requests = Connection();
-    s.pid = 0;
+    s.mu.AssertHeld();  // the child's only thread: held, or free after a fork made alone
+    // Written only when set: each page the child writes costs it a copy-on-write fault.
+    if (!s.requests.closed()) {
+      s.requests.close();
+      s.requests = Connection();
+    }
+    if (s.pid != 0) s.pid = 0;
   });
   runtime::internal::RegisterKeptResources(
       "mp_forkserver", [](runtime::internal::KeptResources& k) {

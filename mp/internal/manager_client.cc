@@ -81,10 +81,11 @@ Pool& ThePool() {
 const bool g_handlers = [] {
   runtime::HoldAcrossFork(&ThePool().mu, "mp_manager_connections", [] {
     Pool& p = ThePool();
-    p.mu.AssertHeld();  // HoldAcrossFork runs this in the child with the mutex held
-    p.CloseAllLocked();
-    p.shut_down.clear();
-    p.pid = 0;
+    p.mu.AssertHeld();  // the child's only thread: held, or free after a fork made alone
+    // Written only when set: each page the child writes costs it a copy-on-write fault.
+    if (!p.idle.empty()) p.CloseAllLocked();
+    if (!p.shut_down.empty()) p.shut_down.clear();
+    if (p.pid != 0) p.pid = 0;
   });
   runtime::internal::RegisterKeptResources("mp_manager_connections", nullptr, [] {
     Pool& p = ThePool();

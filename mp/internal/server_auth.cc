@@ -70,7 +70,7 @@ Handoffs& TheHandoffs() {
     runtime::HoldAcrossFork(&state->mu, "mp secret pipes", [state] {
       // The fork could not wait for a live handoff (its prepare gave up): close every copy of
       // the secret pipe this child got. Async-signal-safe calls only.
-      state->mu.AssertHeld();  // HoldAcrossFork runs this in the child with the mutex held
+      state->mu.AssertHeld();  // the child's only thread: held, or free after a fork made alone
       if (!state->open) return;
       struct rlimit rl;
       int max_fd = 65536;

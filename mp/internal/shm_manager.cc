@@ -46,10 +46,13 @@ Client& TheClient() {
 const bool g_handler = [] {
   runtime::HoldAcrossFork(&TheClient().mu, "mp_shm_manager", [] {
     Client& c = TheClient();
-    c.mu.AssertHeld();  // HoldAcrossFork runs this in the child with the mutex held
-    c.conn.close();
-    c.conn = Connection();
-    c.pid = 0;
+    c.mu.AssertHeld();  // the child's only thread: held, or free after a fork made alone
+    // Written only when set: each page the child writes costs it a copy-on-write fault.
+    if (!c.conn.closed()) {
+      c.conn.close();
+      c.conn = Connection();
+    }
+    if (c.pid != 0) c.pid = 0;
   });
   runtime::internal::RegisterKeptResources("mp_shm_manager",
                                            [](runtime::internal::KeptResources& k) {

@@ -41,7 +41,10 @@ void AfterFork(const std::atomic<ForkCallback>& callback, bool child) {
   t_prepares = t_posts = 0;
   t_acting = -1;
   // A renewal that another thread was making at the fork does not exist in the child.
-  if (child) g_renewing.store(false, std::memory_order_relaxed);
+  // (Written only when set: each page the child writes costs it a copy-on-write fault.)
+  if (child && g_renewing.load(std::memory_order_relaxed)) {
+    g_renewing.store(false, std::memory_order_relaxed);
+  }
   if (ForkCallback cb = callback.load(std::memory_order_acquire)) cb();
 }
 

@@ -2,6 +2,7 @@
 // framework lock and fork generations.
 #include "forksafe/runtime/at_fork.h"
 
+#include <dirent.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -514,6 +515,71 @@ TEST_F(AtForkTest, ARegistrationDestroyedInsideAForkCallbackIsRetiredAndReported
   auto second = RunInChild([] { return 0; }, 20s);
   EXPECT_TRUE(second.ok()) << second.Describe();
   EXPECT_EQ(prepares.load(), 1) << "the destroyed registration's handler ran again";
+}
+
+// Threads of this process (entries of /proc/self/task); -1 when it cannot be read.
+int ThreadsNow() {
+  DIR* d = opendir("/proc/self/task");
+  if (d == nullptr) return -1;
+  int n = 0;
+  while (const dirent* e = readdir(d)) n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
+// PrepareAttempt::alone and HoldAcrossFork: a fork from the process's only thread neither locks
+// the held mutex nor unlocks it afterwards (no write to its page), and one with another thread
+// alive locks it as always. Run in a forked child (one thread; the registrations stay there).
+// A handler registered before the held mutex is prepared after it, and looks at the mutex.
+TEST(AtForkRegistryTest, AloneForkSkipsHoldAcrossForksLockAndAThreadBringsItBack) {
+  constexpr int kNotAlone = 77;  // a sanitizer's helper thread runs in the child too
+  auto child = RunInChild(
+      [] {
+        if (ThreadsNow() != 1) return kNotAlone;
+        static std::mutex m;
+        static int in_child_runs = 0;
+        static int seen = 0;  // 1: free during prepare, 2: held, 3: alone, 4: not alone
+        AtForkHandler probe;
+        probe.name = "probe";
+        probe.prepare = [](const PrepareAttempt& a) {
+          const bool was_free = m.try_lock();
+          if (was_free) m.unlock();
+          seen = (was_free ? 1 : 2) * 10 + (a.alone ? 3 : 4);
+          return true;
+        };
+        static int tag;
+        AtForkRegistry::Get().Register(&tag, std::move(probe));
+        HoldAcrossFork(&m, "held", [] { ++in_child_runs; });
+        auto body = [] {
+          if (in_child_runs != 1) return 1;  // in_child ran once here
+          if (!m.try_lock()) return 2;       // and the mutex is free in the child
+          m.unlock();
+          return 0;
+        };
+        if (!RunInChild(body, 20s, 20).ok()) return 10;
+        if (seen != 13) return 11;  // alone: not locked
+        if (!m.try_lock()) return 12;
+        m.unlock();
+        std::atomic<bool> stop{false};
+        std::thread other([&] {
+          while (!stop.load()) std::this_thread::sleep_for(1ms);
+        });
+        const bool ok = RunInChild(body, 20s, 20).ok();
+        stop = true;
+        other.join();
+        if (!ok) return 13;
+        if (seen != 24) return 14;     // another thread: held, as always
+        if (!m.try_lock()) return 15;  // and released in the parent
+        m.unlock();
+        return 0;
+      },
+      60s, 60);
+  if (child.exited && child.exit_code == kNotAlone) {
+    GTEST_SKIP() << "a forked child of this process has more than one thread here";
+  }
+  EXPECT_TRUE(child.ok()) << child.Describe()
+                          << " (10/13 a grandchild failed, 11 locked although alone, 14 not "
+                             "locked with a second thread, 12/15 left locked in the parent)";
 }
 
 }  // namespace

@@ -107,6 +107,34 @@ TEST(TbbForkTest, OneTbbWorkersLiveUntilAForkJoinsThem) {
   EXPECT_EQ(TbbSum(1000), 499500L) << "oneTBB must work again in the parent";
 }
 
+// The skip rule for an idle fork (runtime/tbb_fork.h, "Skipped when idle"), in a forked child,
+// which has one thread: a fork from a process whose only thread has not run oneTBB neither
+// finalizes oneTBB nor leaves the grandchild without it; once this thread ran an algorithm
+// (oneTBB's workers exist) the next fork finalizes again, and the one after that, from a thread
+// alone again, skips again. Each grandchild runs a reduction.
+TEST(TbbForkTest, IdleForkSkipsFinalizeAndOneTbbStillWorksAfterIt) {
+  auto child = RunInChild(
+      [] {
+        if (ThreadCount() != 1) return 10;  // a forked child starts with one thread
+        const uint64_t f0 = GetTbbForkStats().finalized;
+        if (!RunInChild(ChildRunsOneTbb, 20s, 20).ok()) return 11;
+        if (GetTbbForkStats().finalized != f0) return 12;  // skipped: nothing to join
+        if (!TbbUsableInThisProcess()) return 13;
+        if (TbbSum(100000) != 4999950000L) return 14;  // now oneTBB has workers
+        if (!RunInChild(ChildRunsOneTbb, 20s, 20).ok()) return 15;
+        if (GetTbbForkStats().finalized != f0 + 1) return 16;  // joined them
+        if (WaitForThreadCount(1, 2000ms) != 1) return 17;
+        if (!RunInChild(ChildRunsOneTbb, 20s, 20).ok()) return 18;
+        if (GetTbbForkStats().finalized != f0 + 1) return 19;  // alone again: skipped
+        if (TbbSum(1000) != 499500L) return 20;                // and oneTBB still works here
+        return 0;
+      },
+      60s, 60);
+  EXPECT_TRUE(child.ok()) << child.Describe()
+                          << " (10 not alone, 11/15/18 a grandchild failed, 12 finalized while "
+                             "idle, 16 not finalized after use, 19 finalized when alone again)";
+}
+
 // forksafe's held handle and a program's own tbb::finalize: refused while forksafe holds the
 // scheduler, allowed after ReleaseTbbScheduler(), and forks work again afterwards.
 TEST(TbbForkTest, ProgramFinalizesOneTbbItselfAfterReleaseTbbScheduler) {
