@@ -210,6 +210,7 @@ std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind, uint32_t f
   h->creator = getpid();
   h->live_refs.store(0);
   h->pid_ns = PidNamespaceId();
+  h->creator_start = SelfStartTicks();
   h->flags = flags;
   return seg;
 }
@@ -329,7 +330,7 @@ std::vector<std::shared_ptr<Segment>> TakeUnusedSegments(SharedArena::Impl& a,
       if (s.live_blocks == 0) {
         if (s.header()->live_refs.load() == 0) {
           unused = true;
-        } else if (scan != nullptr && scan->complete) {
+        } else if (scan != nullptr && ScanJudges(*scan, s.header()->creator_start)) {
           for (const auto& [seg, before] : candidates) {
             if (seg.get() == &s) {
               unused = s.only_dead_refs =

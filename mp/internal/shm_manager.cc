@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -113,9 +114,12 @@ Before Snapshot(const std::string& entry) {
 // process holds, or when no process maps it and no queue that still exists holds a message
 // referring to it (the lifetime rule of shm_manager.h). Without `scan` only the count is used.
 Verdict Judge(const std::string& entry, const Before* before, const ProcScan* scan) {
-  const bool judge_by_scan = before != nullptr && scan != nullptr && scan->complete;
   const bool mapped = scan != nullptr && scan->mapped_names.count(entry) != 0;
   const SegmentHeader* h = MapHeader(entry);
+  const uint64_t creator_start =
+      h != nullptr && h->magic == kSegmentMagic ? h->creator_start : uint64_t{0};
+  const bool judge_by_scan =
+      before != nullptr && scan != nullptr && ScanJudges(*scan, creator_start);
   if (h == nullptr) return judge_by_scan && !mapped ? Verdict::kRemove : Verdict::kKeep;
   Verdict v = Verdict::kKeep;
   if (h->magic == kSegmentMagic) {
@@ -248,9 +252,12 @@ bool ScanFdsOf(const std::string& pid, ProcScan& out) {
 
 }  // namespace
 
-uint64_t ProcessStartTicks(pid_t pid) {
+namespace {
+
+// Process `pid`'s state letter and start time from /proc/<pid>/stat; false when unreadable.
+bool ReadStat(pid_t pid, char* state, uint64_t* start) {
   FILE* f = fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "re");
-  if (f == nullptr) return 0;
+  if (f == nullptr) return false;
   char buf[1024];
   const size_t n = fread(buf, 1, sizeof(buf) - 1, f);
   fclose(f);
@@ -258,18 +265,41 @@ uint64_t ProcessStartTicks(pid_t pid) {
   // "pid (comm) state ppid ...": comm may hold spaces and parentheses; fields count from the last
   // ')'. starttime is field 22, the 20th after it.
   const char* p = std::strrchr(buf, ')');
-  if (p == nullptr) return 0;
-  unsigned long long start = 0;
+  if (p == nullptr) return false;
+  unsigned long long started = 0;
   if (std::sscanf(p + 1,
-                  " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d "
+                  " %c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d "
                   "%*d %*d %llu",
-                  &start) != 1) {
-    return 0;
+                  state, &started) != 2) {
+    return false;
   }
+  *start = started;
+  return true;
+}
+
+}  // namespace
+
+uint64_t ProcessStartTicks(pid_t pid) {
+  char state = 0;
+  uint64_t start = 0;
+  return ReadStat(pid, &state, &start) ? start : 0;
+}
+
+uint64_t SelfStartTicks() {
+  // Keyed by pid: a forked child has a start time of its own.
+  static std::atomic<pid_t> cached_pid{0};
+  static std::atomic<uint64_t> cached_start{0};
+  const pid_t self = getpid();
+  if (cached_pid.load(std::memory_order_acquire) == self) {
+    return cached_start.load(std::memory_order_relaxed);
+  }
+  const uint64_t start = ProcessStartTicks(self);
+  cached_start.store(start, std::memory_order_relaxed);
+  cached_pid.store(self, std::memory_order_release);
   return start;
 }
 
-ProcScan ScanProc(uint64_t family_since) {
+ProcScan ScanProc() {
   // A queue is held by a process as long as that process maps its segment (a memfd named
   // "forksafe:queue", whose inode is the queue's identity, mp/queue.cc) or has a descriptor of it.
   ProcScan out;
@@ -284,22 +314,30 @@ ProcScan ScanProc(uint64_t family_since) {
     const std::string pid = e->d_name;
     const bool maps_ok = ScanMapsOf(pid, out);
     const bool fds_ok = ScanFdsOf(pid, out);
-    if (!maps_ok || !fds_ok) {
-      // Unreadable: what it holds is unknown. Processes of other users are unreadable by design
-      // (and hold our queues only if given them); one of ours that is unreadable makes the scan
-      // incomplete, so that nothing is judged dead from it.
-      // A process older than the creator is outside its family (see ScanProc in the header).
-      struct stat st;
-      if (stat(("/proc/" + pid).c_str(), &st) == 0 && st.st_uid == me) {
-        const uint64_t started = family_since != 0 ? ProcessStartTicks(std::stoi(pid)) : 0;
-        // No start time: unknown (incomplete), unless the process has just gone (holds nothing).
-        const bool gone = started == 0 && stat(("/proc/" + pid).c_str(), &st) != 0;
-        if (!gone && (started == 0 || started >= family_since)) out.complete = false;
-      }
+    if (maps_ok && fds_ok) continue;
+    // Unreadable: what it holds is unknown. Processes of other users are unreadable by design
+    // (and hold our queues only if given them); for one of ours, its start time decides which
+    // segments the scan may judge (ScanJudges).
+    struct stat st;
+    if (stat(("/proc/" + pid).c_str(), &st) != 0 || st.st_uid != me) continue;  // gone, or not ours
+    char state = 0;
+    uint64_t started = 0;
+    if (!ReadStat(std::stoi(pid), &state, &started)) {
+      // No start time: unknown, unless the process has just gone (it holds nothing then).
+      if (stat(("/proc/" + pid).c_str(), &st) == 0) out.complete = false;
+      continue;
     }
+    if (state == 'Z' || state == 'X') continue;  // exited: maps and holds nothing
+    out.newest_unreadable = std::max(out.newest_unreadable, started);
   }
   closedir(proc);
   return out;
+}
+
+bool ScanJudges(const ProcScan& scan, uint64_t creator_start) {
+  if (!scan.complete) return false;
+  if (scan.newest_unreadable == 0) return true;
+  return creator_start != 0 && scan.newest_unreadable < creator_start;
 }
 
 RefSnapshot SnapshotRefs(const SegmentHeader* h) {
@@ -402,9 +440,8 @@ void RunShmManager(int fd) {
   // unread and, being the only one this manager has, ends it without touching /dev/shm.
   Connection client(FileDescriptor(fd), true, true);
   if (!CheckServerHello(client, ReadInheritedSecret(kSecretFd), "the shm manager")) _exit(0);
-  // The creator spawned us and is alive until it closes the connection: its start time bounds
-  // the family of processes that can hold its segments (ScanProc).
-  const uint64_t creator_since = ProcessStartTicks(getppid());
+  // Which processes may hold a segment is judged per segment, from the creator's start time in
+  // its header (ScanJudges): not from getppid(), which is PID 1 once a creator died early.
   SweepOrphanedSegments();
   std::set<std::string> names;
   for (;;) {  // while the client lives: collect its names
@@ -428,7 +465,7 @@ void RunShmManager(int fd) {
     std::optional<ProcScan> scan;
     if (now - last_scan >= std::chrono::seconds(1)) {
       for (const std::string& n : names) before[n] = Snapshot(n);
-      scan = ScanProc(creator_since);
+      scan = ScanProc();
       last_scan = now;
     }
     for (auto it = names.begin(); it != names.end();) {

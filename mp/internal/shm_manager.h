@@ -87,6 +87,9 @@ struct SegmentHeader {
   std::atomic<int32_t> carrier_overflow;   // in-flight references whose carrier found no slot
   uint32_t flags;                          // kSegmentDedicated
   InFlightCarrier carriers[kMaxCarriers];  // in-flight references by the queue that holds them
+  // The creator's start time (ProcessStartTicks); 0: unknown (a segment of an older forksafe).
+  // A scan of /proc judges the segment only if every unreadable process is older (ScanJudges).
+  uint64_t creator_start;
 };
 static_assert(sizeof(SegmentHeader) <= 4096, "the segment header fits in its first page");
 
@@ -97,23 +100,31 @@ void DropCarrierRef(SegmentHeader* h, uint64_t carrier);
 
 /// What one pass over /proc found: the /dev/shm names ("forksafe_...") that some process maps,
 /// and the carriers (queues) that some process holds, by mapping the queue's memfd or by a
-/// descriptor of it. `complete` is false when a process of this user could not be read: what it
-/// holds is unknown, so nothing may be judged dead from this scan.
+/// descriptor of it. A process of this user whose entries cannot be read (not dumpable: PID 1 of
+/// many containers and VMs, setuid programs, PR_SET_DUMPABLE 0) holds what nobody can know:
+/// `newest_unreadable` is the start time of the newest such process (0: none), and `complete` is
+/// false when one's start time is unknown too. Zombies hold nothing and are not counted.
 struct ProcScan {
   std::set<std::string> mapped_names;
   std::set<uint64_t> live_carriers;
+  uint64_t newest_unreadable = 0;
   bool complete = true;
 };
-/// Scans /proc. A process of this user whose entries cannot be read (not dumpable: PID 1 of many
-/// containers and VMs, setuid programs, PR_SET_DUMPABLE 0) makes the scan incomplete, unless
-/// `family_since` is non-zero and the process started before that time (clock ticks since boot,
-/// as /proc/<pid>/stat's starttime, which stays readable): one older than a segment's creator is
-/// taken to hold none of its segments. (It could hold one only by receiving a handle, and still
-/// unmapped: a mapping outlives the name. Without this, one such process anywhere on the machine
-/// kept every dead creator's segments, and their managers, for good.)
-ProcScan ScanProc(uint64_t family_since = 0);
+/// Scans /proc (see ProcScan).
+ProcScan ScanProc();
+/// Whether `scan` may judge a segment whose creator started at `creator_start`
+/// (SegmentHeader::creator_start): it is complete, and every unreadable process of this user is
+/// older than the creator. One older than a segment's creator is taken to hold none of its
+/// segments (it could hold one only by receiving a handle, and still unmapped: a mapping outlives
+/// the name). Judged per segment, from the creator's own start time written at creation: before,
+/// the manager took its parent's start time, which was PID 1's when the creator died before the
+/// manager looked, and a sweep took none, so one unreadable process anywhere on the machine (PID 1
+/// of this VM, for root) kept every dead creator's segments, and their managers, for good.
+bool ScanJudges(const ProcScan& scan, uint64_t creator_start);
 /// Process `pid`'s start time in clock ticks since boot (/proc/<pid>/stat); 0 when unknown.
 uint64_t ProcessStartTicks(pid_t pid);
+/// This process's start time (ProcessStartTicks(getpid()), read once per process).
+uint64_t SelfStartTicks();
 
 /// A copy of a segment header's counts. Judging a segment from a scan of /proc needs a snapshot
 /// taken BEFORE the scan: a reader that adopts its reference (taking it off its carrier) maps the

@@ -8,10 +8,14 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <linux/capability.h>
+#include <linux/securebits.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -150,6 +154,95 @@ TEST(ShmManagerTest, ANewManagerSweepsWhatAKilledManagerLeft) {
   EXPECT_TRUE(ShmEntriesOf(pid).empty());
 }
 
+// Makes this process (a test child) unable to read the private /proc entries (maps, fds) of
+// other processes, as an ordinary user cannot read a non-dumpable process's: as root it drops
+// CAP_SYS_PTRACE from its sets and its bounding set and sets SECBIT_NOROOT, so that what it
+// spawns (the client, its shm manager) runs without capabilities. Not root: nothing to drop.
+void DropPtraceCapability() {
+  if (geteuid() != 0) return;
+  prctl(PR_SET_SECUREBITS, SECBIT_NOROOT | SECBIT_NOROOT_LOCKED);
+  prctl(PR_CAPBSET_DROP, CAP_SYS_PTRACE);
+  __user_cap_header_struct hdr{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[2] = {};
+  if (syscall(SYS_capget, &hdr, data) != 0) return;
+  for (auto& d : data) {
+    d.effective &= ~(1u << CAP_SYS_PTRACE);
+    d.permitted &= ~(1u << CAP_SYS_PTRACE);
+    d.inheritable &= ~(1u << CAP_SYS_PTRACE);
+  }
+  syscall(SYS_capset, &hdr, data);
+}
+
+// A process of this user whose /proc entries nobody without CAP_SYS_PTRACE can read
+// (PR_SET_DUMPABLE 0, as PID 1 of a VM or an ssh-agent), started BEFORE a creator of segments:
+// it is outside that creator's family, and must not keep the creator's dead segments for good.
+// Before, one such process anywhere made every scan incomplete: a sweep removed nothing, and a
+// manager whose creator died before it read getppid() never exited (seen outside Bazel's
+// sandbox, where this VM's PID 1 is unreadable even for root: 8 managers and 17 segments left).
+TEST(ShmManagerTest, AnUnreadableOlderProcessDoesNotKeepDeadCreatorsSegments) {
+  const forksafe::testing::ChildResult r = forksafe::testing::RunInChild(
+      [] {
+        DropPtraceCapability();
+        const pid_t helper = fork();
+        if (helper < 0) return 10;
+        if (helper == 0) {
+          prctl(PR_SET_DUMPABLE, 0);
+          alarm(60);
+          for (;;) pause();
+        }
+        auto end_helper = [&] {
+          kill(helper, SIGKILL);
+          waitpid(helper, nullptr, 0);
+        };
+        std::this_thread::sleep_for(50ms);  // a later clock tick for the creator
+        // The precondition: this process cannot read the helper's maps.
+        if (FILE* f = fopen(("/proc/" + std::to_string(helper) + "/maps").c_str(), "re")) {
+          fclose(f);
+          end_helper();
+          return 77;
+        }
+        int code = 0;
+        for (int round = 0; round < 2 && code == 0; ++round) {
+          Queue report;
+          Process p(ProcessOptions{"", false, "spawn"}, &HoldNamedSegmentUntilKilled, report);
+          p.start();
+          const auto reported = report.get<std::pair<int, int>>(true, 30.0);
+          const int pid = reported.first, manager = reported.second;
+          if (manager <= 0 || ShmEntriesOf(pid).size() != 1u) {
+            code = 20 + round;
+            break;
+          }
+          if (round == 0) {
+            // The manager dies first, then its client: the next sweep must remove the segment.
+            kill(manager, SIGKILL);
+            std::this_thread::sleep_for(50ms);
+            p.kill();
+            if (!p.join(10s)) code = 30;
+            std::this_thread::sleep_for(200ms);
+            if (code == 0 && internal::SweepOrphanedSegments() < 1) code = 31;
+            if (code == 0 && !ShmEntriesOf(pid).empty()) code = 32;
+          } else {
+            // The client dies: its manager removes the segment and exits.
+            p.kill();
+            if (!p.join(10s)) code = 40;
+            if (code == 0 && !WaitUntil([&] { return ShmEntriesOf(pid).empty(); }, 5000ms))
+              code = 41;
+            if (code == 0 && !WaitUntil([&] { return kill(manager, 0) != 0; }, 5000ms)) code = 42;
+          }
+        }
+        end_helper();
+        return code;
+      },
+      90s, 90);
+  if (r.exited && r.exit_code == 77) {
+    GTEST_SKIP() << "this machine let the test read a non-dumpable process's maps without "
+                    "CAP_SYS_PTRACE: no unreadable process to test with";
+  }
+  EXPECT_TRUE(r.ok()) << "the child " << r.Describe()
+                      << " (2x: no segment or manager; 30-32: the sweep kept the killed client's "
+                         "segment; 40-42: the manager kept it, or did not exit)";
+}
+
 // A pid means something only in its own pid namespace, and /dev/shm is shared by several (the
 // test runner's sandboxes, containers): a sweep must leave alone the segments of other namespaces,
 // whose creator merely looks dead from here. (Found by the leak check: concurrent test binaries
@@ -208,9 +301,23 @@ TEST(ShmManagerTest, ProcessStartTicksOrderParentsBeforeChildren) {
   kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
   EXPECT_EQ(internal::ProcessStartTicks(child), 0u);  // reaped: gone
-  // With a bound in the future every process is "older": the scan cannot be made incomplete by
-  // an unreadable one; with none (0) it is as before.
-  EXPECT_TRUE(internal::ScanProc(~uint64_t{0}).complete);
+}
+
+// Which segments a scan may judge: a complete scan with no unreadable process of this user judges
+// every segment; with one, only segments whose creator started after it (and whose start time is
+// known); an incomplete scan judges none.
+TEST(ShmManagerTest, AScanJudgesOnlySegmentsMadeAfterItsNewestUnreadableProcess) {
+  internal::ProcScan scan;
+  EXPECT_TRUE(internal::ScanJudges(scan, 0));
+  EXPECT_TRUE(internal::ScanJudges(scan, 100));
+  scan.newest_unreadable = 100;
+  EXPECT_TRUE(internal::ScanJudges(scan, 101));
+  EXPECT_FALSE(internal::ScanJudges(scan, 100)) << "the same tick: which came first is unknown";
+  EXPECT_FALSE(internal::ScanJudges(scan, 99));
+  EXPECT_FALSE(internal::ScanJudges(scan, 0)) << "a segment without a creator start time";
+  scan.complete = false;
+  EXPECT_FALSE(internal::ScanJudges(scan, 101));
+  EXPECT_EQ(internal::SelfStartTicks(), internal::ProcessStartTicks(getpid()));
 }
 
 TEST(SharingStrategyTest, NamesAndErrors) {
