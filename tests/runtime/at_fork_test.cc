@@ -2,7 +2,6 @@
 // framework lock and fork generations.
 #include "forksafe/runtime/at_fork.h"
 
-#include <dirent.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -23,6 +22,7 @@ namespace forksafe::runtime {
 namespace {
 
 using forksafe::testing::RunInChild;
+using forksafe::testing::ThreadsOfThisProcess;
 using namespace std::chrono_literals;
 
 // A trace shared by the handlers of one test (parent-side only; children check their own copy).
@@ -517,16 +517,6 @@ TEST_F(AtForkTest, ARegistrationDestroyedInsideAForkCallbackIsRetiredAndReported
   EXPECT_EQ(prepares.load(), 1) << "the destroyed registration's handler ran again";
 }
 
-// Threads of this process (entries of /proc/self/task); -1 when it cannot be read.
-int ThreadsNow() {
-  DIR* d = opendir("/proc/self/task");
-  if (d == nullptr) return -1;
-  int n = 0;
-  while (const dirent* e = readdir(d)) n += e->d_name[0] != '.';
-  closedir(d);
-  return n;
-}
-
 // PrepareAttempt::alone and HoldAcrossFork: a fork from the process's only thread neither locks
 // the held mutex nor unlocks it afterwards (no write to its page), and one with another thread
 // alive locks it as always. Run in a forked child (one thread; the registrations stay there).
@@ -535,7 +525,7 @@ TEST(AtForkRegistryTest, AloneForkSkipsHoldAcrossForksLockAndAThreadBringsItBack
   constexpr int kNotAlone = 77;  // a sanitizer's helper thread runs in the child too
   auto child = RunInChild(
       [] {
-        if (ThreadsNow() != 1) return kNotAlone;
+        if (ThreadsOfThisProcess() != 1) return kNotAlone;
         static std::mutex m;
         static int in_child_runs = 0;
         static int seen = 0;  // 1: free during prepare, 2: held, 3: alone, 4: not alone

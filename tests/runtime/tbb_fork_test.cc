@@ -2,7 +2,6 @@
 // fork from inside a oneTBB task reported instead of hanging.
 #include "forksafe/runtime/tbb_fork.h"
 
-#include <dirent.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -22,6 +21,7 @@ namespace {
 
 using forksafe::testing::RunInChild;
 using forksafe::testing::TbbSum;
+using forksafe::testing::ThreadsOfThisProcess;
 using namespace std::chrono_literals;
 
 // A child's body: 0 when oneTBB is usable here and a reduction gives the right sum.
@@ -39,34 +39,24 @@ TEST(TbbForkTest, ChildCanUseOneTbbAfterParentDid) {
   EXPECT_EQ(TbbSum(1000), 499500L) << "oneTBB must work again in the parent";
 }
 
-// Threads of this process (entries of /proc/self/task).
-int ThreadCount() {
-  DIR* d = opendir("/proc/self/task");
-  if (d == nullptr) return -1;
-  int n = 0;
-  while (const dirent* e = readdir(d)) n += e->d_name[0] != '.';
-  closedir(d);
-  return n;
-}
-
 // Polls until the thread count equals `want` (an exiting thread stays listed for a moment after
 // it was joined); returns the last count seen.
 int WaitForThreadCount(int want, std::chrono::milliseconds limit) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
-  int n = ThreadCount();
+  int n = ThreadsOfThisProcess();
   while (n != want && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(1ms);
-    n = ThreadCount();
+    n = ThreadsOfThisProcess();
   }
   return n;
 }
 
 // The thread count once it has not changed for 10 ms (at most 1 s).
 int SettledThreadCount() {
-  int last = ThreadCount(), still = 0;
+  int last = ThreadsOfThisProcess(), still = 0;
   for (int i = 0; i < 500 && still < 5; ++i) {
     std::this_thread::sleep_for(2ms);
-    const int now = ThreadCount();
+    const int now = ThreadsOfThisProcess();
     still = now == last ? still + 1 : 0;
     last = now;
   }
@@ -94,7 +84,7 @@ TEST(TbbForkTest, OneTbbWorkersLiveUntilAForkJoinsThem) {
     ASSERT_EQ(pool.Submit([] { return TbbSum(4000000); }).get(), 7999998000000L);
   }  // the worker that ran the algorithm has exited and been joined
   std::this_thread::sleep_for(50ms);  // time for detached workers to leave, were there any
-  const int between = ThreadCount();
+  const int between = ThreadsOfThisProcess();
   EXPECT_GT(between, baseline)
       << "oneTBB's workers were shut down when the last thread that used oneTBB exited; they "
          "exit detached, racing the next fork";
@@ -115,7 +105,7 @@ TEST(TbbForkTest, OneTbbWorkersLiveUntilAForkJoinsThem) {
 TEST(TbbForkTest, IdleForkSkipsFinalizeAndOneTbbStillWorksAfterIt) {
   auto child = RunInChild(
       [] {
-        if (ThreadCount() != 1) return 10;  // a forked child starts with one thread
+        if (ThreadsOfThisProcess() != 1) return 10;  // a forked child starts with one thread
         const uint64_t f0 = GetTbbForkStats().finalized;
         if (!RunInChild(ChildRunsOneTbb, 20s, 20).ok()) return 11;
         if (GetTbbForkStats().finalized != f0) return 12;  // skipped: nothing to join

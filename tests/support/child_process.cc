@@ -236,6 +236,15 @@ ChildResult WaitChild(pid_t pid, std::chrono::milliseconds timeout) {
   return r;
 }
 
+int ThreadsOfThisProcess() {
+  DIR* d = opendir("/proc/self/task");
+  if (d == nullptr) return -1;
+  int n = 0;
+  while (const dirent* e = readdir(d)) n += e->d_name[0] != '.';
+  closedir(d);
+  return n;
+}
+
 bool WaitUntil(const std::function<bool()>& cond, std::chrono::milliseconds limit,
                std::chrono::milliseconds poll) {
   const auto deadline = std::chrono::steady_clock::now() + limit;

@@ -64,6 +64,10 @@ class ExpectingHangs {
 /// (exit code 100 when it throws, after printing the exception; kChildLeakExitCode (101) when it
 /// returned 0 but left resources behind, listed on stderr: see tests/support/leak_check.h). The
 /// parent waits at most `timeout`.
+/// Threads of this process (entries of /proc/self/task); -1 when it cannot be read. A forked
+/// child starts with one.
+int ThreadsOfThisProcess();
+
 /// Polls `cond` every `poll` until it holds or `limit` passes; returns whether it held (checked
 /// once more at the end). For tests that wait for another process to act.
 bool WaitUntil(const std::function<bool()>& cond,
