@@ -160,6 +160,23 @@ std::string SegmentKey(SegmentKind kind, uint64_t id) {
   return absl::StrCat(static_cast<int>(kind), ":", id);
 }
 
+// Reserves a new segment's memory now, so that a full tmpfs or a memory limit is an error here,
+// not a SIGBUS at first touch: by reading every page in through the creator's mapping
+// (MADV_POPULATE_READ, Linux 5.14), else with fallocate. Reading them in rather than fallocating
+// them also makes a later process's first read of them several times cheaper on VMs that page
+// the guest's page tables (docs/peers.md, "Workload 3's tail"), and leaves the creator's page
+// tables built (no fault at its first write of each page).
+void ReserveSegmentMemory(char* base, int fd, size_t size, SegmentKind kind) {
+#ifndef MADV_POPULATE_READ
+  constexpr int MADV_POPULATE_READ = 22;
+#endif
+  if (madvise(base, size, MADV_POPULATE_READ) == 0) return;
+  const int err = errno;
+  if (err != EINVAL) ThrowNoSpace(err == EFAULT ? ENOSPC : err, size, kind);  // EFAULT: SIGBUS
+  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(size));            // an older kernel
+  if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) ThrowNoSpace(rc, size, kind);
+}
+
 std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind, uint32_t flags) {
   auto seg = std::make_shared<Segment>();
   seg->kind = kind;
@@ -193,12 +210,10 @@ std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind, uint32_t f
   seg->fd.reset(fd);
   // From here on a failure unlinks the name (the segment's destructor: owned, no references).
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) ThrowNoSpace(errno, size, kind);
-  // Reserve the memory now: a full tmpfs is an error here, not a SIGBUS at first touch.
-  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(size));
-  if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) ThrowNoSpace(rc, size, kind);
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) ThrowNoSpace(errno, size, kind);
   seg->base = static_cast<char*>(p);  // zero-filled: no references, no carriers
+  ReserveSegmentMemory(seg->base, fd, size, kind);
   struct stat st;
   fstat(fd, &st);
   seg->id = kind == SegmentKind::kMemfd ? static_cast<uint64_t>(st.st_ino)
@@ -484,7 +499,7 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
     }
   }
   // Before any arithmetic on `bytes` and before anything is reserved: more than the system can
-  // give is kResourceExhausted now, not an OOM kill while fallocate fills memory.
+  // give is kResourceExhausted now, not an OOM kill while the reservation fills memory.
   // The arena's own cache counts against what is free: when the request does not fit, give the
   // cache back first and judge again.
   const auto use = kind == SegmentKind::kNamed ? runtime::internal::MemoryUse::kSharedNamed
@@ -613,11 +628,15 @@ void CheckHandle(const SharedBlock::Handle& h) {
 // at the first touch of every tensor (256 faults for a 1 MiB tensor), but only for the pages the
 // segment holds (its data extents, SEEK_DATA / SEEK_HOLE): a sparse segment from a peer (a huge
 // memfd never written) would otherwise be made resident whole, as MAP_POPULATE did. Our own
-// segments are fallocated, so they are one extent. At most kMaxPopulatedExtents extents; without
-// MADV_POPULATE_WRITE (Linux < 5.14) nothing is populated and pages fault in at first touch.
+// segments are read in whole when created (ReserveSegmentMemory), so they are one extent. At most
+// kMaxPopulatedExtents extents; without MADV_POPULATE_READ (Linux < 5.14) nothing is populated
+// and pages fault in at first touch. Populated for reading: in a shared writable mapping the
+// entries are writable all the same (a later write takes no fault), and populating for writing
+// made this process's first read of each page 7x slower on a VM that pages the guest's page
+// tables (bench/first_read_floor.cc; docs/peers.md, "Workload 3's tail").
 static void PopulateHeldPages(char* base, int fd, size_t size) {
-#ifndef MADV_POPULATE_WRITE
-  constexpr int MADV_POPULATE_WRITE = 23;
+#ifndef MADV_POPULATE_READ
+  constexpr int MADV_POPULATE_READ = 22;
 #endif
   constexpr int kMaxPopulatedExtents = 64;
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
@@ -629,8 +648,8 @@ static void PopulateHeldPages(char* base, int fd, size_t size) {
     if (hole < 0 || static_cast<size_t>(hole) > size) hole = static_cast<off_t>(size);
     const size_t from = static_cast<size_t>(data) / page * page;
     const size_t to = static_cast<size_t>(hole);
-    if (to > from && madvise(base + from, to - from, MADV_POPULATE_WRITE) != 0 && errno == EINVAL) {
-      return;  // the kernel has no MADV_POPULATE_WRITE
+    if (to > from && madvise(base + from, to - from, MADV_POPULATE_READ) != 0 && errno == EINVAL) {
+      return;  // the kernel has no MADV_POPULATE_READ
     }
     pos = hole;
   }

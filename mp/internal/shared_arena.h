@@ -3,9 +3,10 @@
 //
 // Layout: memory comes in segments (a memfd, or a named POSIX shm object for the file_system
 // strategy). A segment starts with a SegmentHeader; blocks follow, each with a BlockHeader that
-// holds a reference count shared by every process that maps the block. Segments are reserved with
-// fallocate() when created, so running out of memory is a clean error at allocation, never a
-// SIGBUS at first touch.
+// holds a reference count shared by every process that maps the block. Segments are reserved when
+// created (every page read in through the creator's mapping, MADV_POPULATE_READ; fallocate() on
+// kernels before 5.14), so running out of memory is a clean error at allocation, never a SIGBUS at
+// first touch.
 //
 // Lifetimes: a block's shared count is the number of live references in all processes plus the
 // references in flight (exported, not yet imported). Exporting increments it; importing adopts
@@ -22,9 +23,9 @@
 // freed, the creator keeps the segment (mapped, its pages faulted in) on a bounded cache, and a
 // later large block reuses it, once its shared count is 0 (no process holds a block of it and
 // none is in flight), so that a fresh large tensor costs a copy into warm memory instead of a new
-// memfd, fallocate, 16,384 first-touch faults per 64 MiB, and a new mapping in the receiver (which
-// keeps its most recently imported segments mapped and finds a reused one by its identity,
-// validating the block as for any import). Rules:
+// memfd, its reservation, 16,384 first-touch page-table entries per 64 MiB, and a new mapping in
+// the receiver (which keeps its most recently imported segments mapped and finds a reused one by
+// its identity, validating the block as for any import). Rules:
 //   - a cached segment serves a request whose segment would be at least half its size (at most
 //     2x the memory asked for), the smallest such first; it is never handed out while held;
 //   - the cache holds at most min(limit, a quarter of what the system could give to shared memory

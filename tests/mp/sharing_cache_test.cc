@@ -3,9 +3,12 @@
 // under EmptyCache, never reusing a segment that another process holds, forked children, and
 // tensors that are shared from birth (no copy, no new segment at send).
 #include <dirent.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -306,6 +309,65 @@ TEST_F(BornSharedTest, LargeBornSharedTensorsReuseCachedSegments) {
   const auto a1 = SharedArena::Get().stats();
   EXPECT_EQ(a1.segments_created, a0.segments_created);
   EXPECT_EQ(a1.large_segments_reused - a0.large_segments_reused, 4u);
+}
+
+// ---- A new segment's page tables ---------------------------------------------------------------
+// A new segment is reserved by reading every page in through its creator's mapping
+// (MADV_POPULATE_READ, mp/internal/shared_arena.cc ReserveSegmentMemory) and a receiver that maps
+// it builds its page tables at once (PopulateHeldPages): neither the creator's first write nor the
+// receiver's first read of a tensor takes a page fault per page (256 per MiB before; each costs
+// 20-35 us on a VM that pages the guest's page tables, docs/peers.md "Workload 3's tail").
+
+long MinorFaults() {
+  rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_minflt;
+}
+
+// Whether this kernel has MADV_POPULATE_READ (Linux 5.14); without it segments are fallocated and
+// pages fault in at first touch, as before.
+bool KernelPopulatesOnRequest() {
+  void* p = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return false;
+  const bool ok = madvise(p, 4096, 22 /* MADV_POPULATE_READ */) == 0;
+  munmap(p, 4096);
+  return ok;
+}
+
+// Reads every page of the tensor it receives; answers with the page faults that took, or -1 when
+// a value was wrong.
+void ReadEveryPage(Queue in, Queue out) {
+  Tensor t = in.get<Tensor>(true, 60.0);
+  const long f0 = MinorFaults();
+  const auto* bytes = static_cast<const volatile unsigned char*>(t.data_ptr());
+  bool right = true;
+  for (size_t i = 0; i < t.nbytes(); i += 4096) right = right && bytes[i] == 7;
+  const long faults = MinorFaults() - f0;
+  out.put(right ? static_cast<int64_t>(faults) : int64_t{-1});
+}
+FORKSAFE_ENTRY_POINT(ReadEveryPage);
+
+TEST_F(LargeCacheTest, NeitherTheCreatorsFirstWriteNorAReceiversFirstReadFaultsPerPage) {
+  if (!KernelPopulatesOnRequest()) GTEST_SKIP() << "this kernel has no MADV_POPULATE_READ (< 5.14)";
+  Queue in, out;
+  // Started before the segment exists, so the child maps it by import, not by inheriting it.
+  Process p(ProcessOptions{"", false, "fork"}, &ReadEveryPage, in, out);
+  p.start();
+  const uint64_t created = SharedArena::Get().stats().segments_created;
+  Tensor t = SharedEmpty({static_cast<int64_t>(kMid)}, DType::kUInt8);  // 20 MiB: 5,120 pages
+  ASSERT_EQ(SharedArena::Get().stats().segments_created, created + 1) << "not a new segment";
+  const long f0 = MinorFaults();
+  std::memset(t.data_ptr(), 7, t.nbytes());
+  const long creator_faults = MinorFaults() - f0;
+  EXPECT_LT(creator_faults, 64) << "the creator's first write of a new 20 MiB segment took "
+                                << creator_faults << " page faults (5,120 pages)";
+  in.put(t);
+  const int64_t receiver_faults = out.get<int64_t>(true, 60.0);
+  ASSERT_NE(receiver_faults, -1) << "the receiver read wrong values";
+  EXPECT_LT(receiver_faults, 64) << "the receiver's first read of an imported 20 MiB tensor took "
+                                 << receiver_faults << " page faults (5,120 pages)";
+  ASSERT_TRUE(p.join(60s));
+  EXPECT_EQ(p.exitcode(), 0);
 }
 
 }  // namespace
