@@ -44,9 +44,7 @@ constexpr size_t kTensorBytes = size_t{1} << 20;
 enum class Reserve { kFallocate, kPopulateRead };
 enum class Reader { kReadOnly, kReadWrite, kInherited, kPopulateWrite, kPopulateRead };
 
-const char* Name(Reserve r) {
-  return r == Reserve::kFallocate ? "fallocate" : "populate-read";
-}
+const char* Name(Reserve r) { return r == Reserve::kFallocate ? "fallocate" : "populate-read"; }
 const char* Name(Reader r) {
   switch (r) {
     case Reader::kReadOnly: return "read-only";
@@ -168,7 +166,9 @@ int main(int argc, char** argv) {
   }
   printf("%d tensors of 1 MiB in a memfd; two forked readers at once, each summing all of them\n",
          tensors);
-  printf("| writer's reservation | reader's mapping | first read, ms (each reader) | read again, ms |\n");
+  printf(
+      "| writer's reservation | reader's mapping | first read, ms (each reader) | read again, ms "
+      "|\n");
   printf("|---|---|---:|---:|\n");
   bool ok = true;
   for (Reserve reserve : {Reserve::kFallocate, Reserve::kPopulateRead}) {

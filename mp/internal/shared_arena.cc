@@ -172,8 +172,11 @@ void ReserveSegmentMemory(char* base, int fd, size_t size, SegmentKind kind) {
 #endif
   if (madvise(base, size, MADV_POPULATE_READ) == 0) return;
   const int err = errno;
-  if (err != EINVAL) ThrowNoSpace(err == EFAULT ? ENOSPC : err, size, kind);  // EFAULT: SIGBUS
-  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(size));            // an older kernel
+  // EFAULT: a page would have raised SIGBUS (tmpfs full); ENOMEM: out of memory (or a cgroup's).
+  if (err == EFAULT) ThrowNoSpace(ENOSPC, size, kind);
+  if (err == ENOMEM) ThrowNoSpace(ENOMEM, size, kind);
+  // EINVAL (a kernel before 5.14), or madvise refused (a seccomp filter): fallocate instead.
+  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(size));
   if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) ThrowNoSpace(rc, size, kind);
 }
 
