@@ -314,8 +314,18 @@ TEST(OpenMpForkTest, NestedParallelismSurvivesTheFork) {
   };
   ASSERT_TRUE(nested_sum());
   std::atomic<bool> stop{false};
+#if defined(__SANITIZE_ADDRESS__)
+  // Under gcc 12's ASan the other thread runs nothing: its nested regions start libgomp threads
+  // all the time, and ASan's allocator is not locked around fork() (see the storm test above).
+  // Seen in CI on 2026-11-28: fork 8's child hung, a thread it started spinning (state R) and the
+  // forking thread waiting for it. The children still run nested regions after the parent did;
+  // the plain and ubsan runs fork beside the other thread's regions.
+  constexpr bool kOtherThread = false;
+#else
+  constexpr bool kOtherThread = true;
+#endif
   std::thread other([&] {
-    while (!stop.load()) {
+    while (kOtherThread && !stop.load()) {
       if (!nested_sum()) std::abort();
     }
   });
