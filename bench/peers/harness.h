@@ -67,11 +67,11 @@ inline std::vector<double> Measure(const Plan& plan, const std::function<double(
   // stderr, to line a slow sample up with what else the machine did then (a stall monitor's log).
   static const bool trace = getenv("PEERS_TRACE_SAMPLES") != nullptr;
   for (int i = 0; i < plan.max_iters; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
+    const auto t0 = Clock::now();
     samples.push_back(iter(plan.warmup + i));
     if (trace) {
-      const auto t1 = std::chrono::steady_clock::now();
-      auto sec = [](std::chrono::steady_clock::time_point t) {
+      const auto t1 = Clock::now();
+      auto sec = [](Clock::time_point t) {
         return std::chrono::duration<double>(t.time_since_epoch()).count();
       };
       fprintf(stderr, "  sample %d: %.6f .. %.6f  %.1f us\n", i, sec(t0), sec(t1), samples.back());

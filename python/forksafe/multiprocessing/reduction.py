@@ -377,6 +377,8 @@ def _dtype_name(dtype):
     if name is None:
         name = _dtype_names[dtype] = str(dtype)[6:]
     return name
+
+
 _dispatch_cache = (None, None)
 _ForkingPickler = None
 
