@@ -129,9 +129,13 @@ void Backend::Synchronize(int index) {
   DoSynchronize(index);
 }
 
-void Backend::OnForkPrepare() {}
+void Backend::OnForkPrepare() {
+  if (initialized()) DoForkPrepare();
+}
 
-void Backend::OnForkParent() {}
+void Backend::OnForkParent() {
+  if (initialized()) DoForkParent();
+}
 
 // Runs in a forked child, which has one thread: `initializing` is read without the lock, which
 // may be held by a thread that does not exist here (the lock is rebuilt instead).

@@ -123,6 +123,11 @@ class Backend {
                       size_t bytes) = 0;
   virtual void DoMemset(int index, void* ptr, int value, size_t bytes) = 0;
   virtual void DoSynchronize(int index) = 0;
+  /// Extra per-backend work in the fork's prepare and parent callbacks, for a backend initialized
+  /// in this process; the defaults do nothing. Prepare must not block without bound (at_fork.h,
+  /// "The rule for handlers"); parent undoes what prepare did (it also runs on a roll-back).
+  virtual void DoForkPrepare() {}
+  virtual void DoForkParent() {}
   /// Extra per-backend work in the child after the base class updated its state; the default
   /// does nothing. Must not touch state inherited from other threads.
   virtual void DoForkChild() {}

@@ -15,6 +15,7 @@
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/mutex.h"
 #include "forksafe/runtime/launch_info.h"
+#include "forksafe/runtime/tbb_fork.h"
 
 namespace forksafe::device {
 namespace {
@@ -75,6 +76,12 @@ Registry& Reg() {
   static auto* reg = new Registry();  // leaked: used from at-fork handlers
   return *reg;
 }
+
+// Made at load time, after oneTBB's handler: the registry's handler is then registered before
+// the pools a program makes, so it prepares after they drained (handlers prepare in reverse
+// order), when parking the simulated accelerator's idle device thread can make the fork quiet
+// (runtime/at_fork.h, NoteThreadsParkedForFork), and before oneTBB's, which then sees it.
+const bool g_registry_at_load = (runtime::InstallTbbForkHandler(), Reg(), true);
 
 void Registry::OnChild() {
   // Written only when different: each page written after a fork costs a copy-on-write fault.

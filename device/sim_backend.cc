@@ -231,6 +231,17 @@ void SimBackend::FinishQueuedWork() {
 
 pid_t SimBackend::context_owner() const { return ctx_ != nullptr ? ctx_->owner : 0; }
 
+// The device thread, idle, is parked for the fork when that makes the fork quiet (no other
+// thread left to run: runtime/at_fork.h, NoteThreadsParkedForFork); a parked device thread runs
+// nothing queued meanwhile, until the parent callback (or a roll-back) lets it go.
+void SimBackend::DoForkPrepare() {
+  if (ctx_->owner == getpid()) ctx_->ParkForFork();
+}
+
+void SimBackend::DoForkParent() {
+  if (ctx_->owner == getpid()) ctx_->UnparkAfterFork();
+}
+
 void SimBackend::DoForkChild() {
   // The device thread does not exist here and the context's mutexes may be held by threads that
   // do not exist either: the context is abandoned untouched (its mappings stay, and are never

@@ -108,6 +108,8 @@ class SimBackend final : public Backend, public IpcBackend {
               size_t bytes) override;
   void DoMemset(int index, void* ptr, int value, size_t bytes) override;
   void DoSynchronize(int index) override;
+  void DoForkPrepare() override;
+  void DoForkParent() override;
   void DoForkChild() override;
 
  private:

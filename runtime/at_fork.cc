@@ -1,11 +1,8 @@
 #include "forksafe/runtime/at_fork.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -26,6 +23,7 @@
 #include "forksafe/runtime/internal/fork_registration.h"
 #include "forksafe/runtime/internal/nested_copy.h"
 #include "forksafe/runtime/internal/process_instance.h"
+#include "forksafe/runtime/internal/thread_count.h"
 
 namespace forksafe::runtime {
 namespace {
@@ -104,39 +102,6 @@ StackRange ThisThreadsStack() {
     return r;
   }();
   return range;
-}
-
-// Threads of this process by listing /proc/self/task (stops counting at 3); -1 when unknown.
-int ListedThreads() {
-  const int fd = open("/proc/self/task", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return -1;
-  alignas(8) char buf[512];
-  int n = 0;
-  for (long got; n < 3 && (got = syscall(SYS_getdents64, fd, buf, sizeof buf)) > 0;) {
-    for (long off = 0; off < got;) {
-      const auto* d = reinterpret_cast<const dirent64*>(buf + off);
-      if (d->d_name[0] != '.') ++n;
-      off += d->d_reclen;
-    }
-  }
-  close(fd);
-  return n;
-}
-
-// True when the calling thread is the process's only thread. One stat(): Linux gives
-// /proc/self/task a link count of 2 + the number of threads (proc_task_getattr). The first time
-// that count says "one thread", it is checked once against a listing of the directory; a procfs
-// whose link count disagrees (an emulation that does not count threads there) turns the rule off
-// for the process, and every fork then counts as not alone (the behaviour without it).
-bool OnlyThread() {
-  static std::atomic<int> trusted{0};  // 0: not yet checked, 1: trusted, -1: not
-  struct stat st;
-  if (stat("/proc/self/task", &st) != 0 || st.st_nlink != 3) return false;
-  const int t = trusted.load(std::memory_order_relaxed);
-  if (t != 0) return t > 0;
-  const bool agrees = ListedThreads() == 1;
-  trusted.store(agrees ? 1 : -1, std::memory_order_relaxed);
-  return agrees;
 }
 
 // Runs a parent/child callback; an exception becomes an event.
@@ -411,7 +376,7 @@ void AtForkRegistry::Prepare() {
     const bool last = attempt == max_attempts || Clock::now() >= deadline;
     current_.attempts = attempt;
     PrepareAttempt a{attempt, last, current_.fork_number, deadline, deadline};
-    a.alone = OnlyThread();
+    a.alone = internal::ThreadCountIs(1);
     if (PrepareRound(a, deadline, started)) {
       break;
     }
@@ -439,7 +404,13 @@ void AtForkRegistry::Prepare() {
 // attempt_wait), or until the deadline on the last attempt.
 bool AtForkRegistry::PrepareRound(PrepareAttempt attempt, Clock::time_point cap,
                                   Clock::time_point started) {
-  if (alone_ != attempt.alone) alone_ = attempt.alone;  // read by ForkingThreadAlone()
+  // The quiet rule (PrepareAttempt::alone): threads that prepare callbacks report parked this
+  // round (NoteThreadsParkedForFork), and whether they are now all but the forking thread.
+  // Written only when they change, as everything on the registry's page.
+  if (parked_ != 0) parked_ = 0;
+  if (quiet_) quiet_ = false;
+  const bool may_quiet = !attempt.alone && !IsNested();
+  if (may_quiet_ != may_quiet) may_quiet_ = may_quiet;
   // Each entry's `prepared` is set as the round reaches it, and written only when it changes:
   // the entries' page is then not written on a fork like the last one (each page written
   // around a fork costs a copy-on-write fault).
@@ -453,11 +424,18 @@ bool AtForkRegistry::PrepareRound(PrepareAttempt attempt, Clock::time_point cap,
       continue;
     }
     bool ok = true;
+    // What this handler sees as PrepareAttempt::alone, and ForkingThreadAlone() in its
+    // callbacks until the fork ends.
+    const bool alone = attempt.alone || quiet_;
+    if (e.saw_alone != alone) e.saw_alone = alone;
+    SeeAloneAs(e);
     if (e.handler.prepare) {
       attempt.wait_until =
           attempt.last ? attempt.deadline : std::min(cap, Clock::now() + options_.attempt_wait);
+      PrepareAttempt here = attempt;
+      here.alone = alone;
       try {
-        ok = e.handler.prepare(attempt);
+        ok = e.handler.prepare(here);
       } catch (const std::exception& ex) {
         ok = false;
         Report(ForkEventKind::kHandlerThrew, e.handler.name,
@@ -497,6 +475,7 @@ void AtForkRegistry::RollBack(size_t from) {
     Entry& done = entries_[j];
     if (!done.prepared || done.retired) continue;
     done.prepared = false;
+    SeeAloneAs(done);
     RunQuietly(done.handler.parent, true, done.handler.name, "roll-back (parent)");
   }
   t_rolling_back = false;
@@ -543,7 +522,9 @@ void AtForkRegistry::FinishParent() noexcept {
   }
   framework_lock_taken_ = false;
   for (Entry& e : entries_) {
-    if (!e.retired) RunQuietly(e.handler.parent, e.prepared, e.handler.name, "parent");
+    if (e.retired) continue;
+    SeeAloneAs(e);
+    RunQuietly(e.handler.parent, e.prepared, e.handler.name, "parent");
   }
   DropRetired();
   ++fork_count_;
@@ -586,7 +567,9 @@ void AtForkRegistry::Child() noexcept FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   }
   framework_lock_taken_ = false;
   for (Entry& e : entries_) {
-    if (!e.retired) RunQuietly(e.handler.child, e.prepared, e.handler.name, "child");
+    if (e.retired) continue;
+    SeeAloneAs(e);
+    RunQuietly(e.handler.child, e.prepared, e.handler.name, "child");
   }
   DropRetired();
   // Objects on the stacks of threads that do not exist here: glibc hands those stacks to the
@@ -774,6 +757,22 @@ bool InForkHandler() { return t_in_handler; }
 // Not analysed: read on the forking thread, which holds the registry's lock while t_in_handler.
 bool ForkingThreadAlone() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
   return t_in_handler && g_this_registry != nullptr && g_this_registry->alone_;
+}
+
+// Not analysed: called by prepare callbacks on the forking thread, which holds the registry's
+// lock while t_in_handler.
+void NoteThreadsParkedForFork(int n) FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  if (n <= 0 || !t_in_handler || g_this_registry == nullptr) return;
+  AtForkRegistry& r = *g_this_registry;
+  if (!r.may_quiet_ || !r.forking_) return;
+  r.parked_ += n;
+  if (!r.quiet_ && internal::ThreadCountIs(1 + r.parked_)) r.quiet_ = true;
+}
+
+bool ParkingWouldQuietFork(int n) FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
+  if (n <= 0 || !t_in_handler || g_this_registry == nullptr) return false;
+  const AtForkRegistry& r = *g_this_registry;
+  return r.may_quiet_ && r.forking_ && !r.quiet_ && internal::ThreadCountIs(1 + r.parked_ + n);
 }
 
 namespace internal {

@@ -58,7 +58,9 @@
 //   A prepare callback starts no thread: such a thread does not exist in the child, and each
 //   round counts the process's threads once, as it begins (PrepareAttempt::alone: a fork from a
 //   process's only thread, where forksafe's handlers skip their locks and oneTBB's finalize, so
-//   that an idle fork writes few pages).
+//   that an idle fork writes few pages), and again whenever a handler reports threads it parked
+//   for the fork (NoteThreadsParkedForFork: once all other threads are parked so, the fork is
+//   "quiet" and the handlers prepared after that point see PrepareAttempt::alone too).
 //
 // One registry per process, even with several copies of forksafe
 //   A process may hold several copies of forksafe: a program that links it statically and loads
@@ -126,7 +128,9 @@
 //     owner, is not recognized as stack-owned: register from the thread that owns the object.
 //   - PrepareAttempt::alone reads the link count of /proc/self/task (Linux: 2 + the number of
 //     threads), checked once against a listing of that directory; without /proc, or where the two
-//     disagree, every fork counts as not alone (the full protocol, as before issue 19).
+//     disagree, every fork counts as not alone (the full protocol, as before issue 19). A
+//     component that reports parked threads (NoteThreadsParkedForFork) vouches for them: a
+//     thread reported parked that can still run lets later handlers skip their locks wrongly.
 #ifndef FORKSAFE_RUNTIME_AT_FORK_H_
 #define FORKSAFE_RUNTIME_AT_FORK_H_
 
@@ -156,13 +160,16 @@ struct PrepareAttempt {
   /// that can still be retried, the deadline on the last one.
   std::chrono::steady_clock::time_point wait_until{};
   /// True when, as this round began, the forking thread was the process's only thread (counted
-  /// once per round, from the kernel's thread count): no other thread can hold or take a lock
-  /// before the fork, so a handler may skip work whose only purpose is to exclude or stop other
-  /// threads (forksafe's own handlers then skip taking their locks, and oneTBB's finalize: each
-  /// page written around a fork costs a copy-on-write fault in the parent and in the child).
-  /// Stays true for the round only if prepare callbacks start no thread (they must not: a thread
-  /// started in prepare is not in the child and can take locks already prepared). Always false in
-  /// a copy of forksafe nested in another's registry.
+  /// once per round, from the kernel's thread count), or when the fork turned *quiet* before this
+  /// callback: every other thread was reported parked for this fork by the handlers prepared
+  /// before it (NoteThreadsParkedForFork: idle pool workers paused for the fork, say). Either
+  /// way no other thread can hold or take a lock before the fork, so a handler may skip work
+  /// whose only purpose is to exclude or stop other threads (forksafe's own handlers then skip
+  /// taking their locks, and oneTBB's finalize: each page written around a fork costs a
+  /// copy-on-write fault in the parent and in the child). Stays true for the round only if
+  /// prepare callbacks start no thread (they must not: a thread started in prepare is not in the
+  /// child and can take locks already prepared). Always false in a copy of forksafe nested in
+  /// another's registry.
   bool alone = false;
 };
 
@@ -298,6 +305,7 @@ class alignas(1024) AtForkRegistry {
     // Its AtForkRegistration was destroyed inside a fork callback, where the registry cannot
     // unregister it: never called again, and removed when that fork ends.
     bool retired = false;
+    bool saw_alone = false;  // the PrepareAttempt::alone its last prepare saw
   };
 
   AtForkRegistry();
@@ -320,6 +328,10 @@ class alignas(1024) AtForkRegistry {
   void CheckNotInHandler(const char* what) const;
   void RetireInsideFork(const void* handle) noexcept FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropRetired() noexcept FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ForkingThreadAlone() answers for `e` while its callbacks run (written on a change only).
+  void SeeAloneAs(const Entry& e) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (alone_ != e.saw_alone) alone_ = e.saw_alone;
+  }
   friend class AtForkRegistration;
   friend struct NestedCopy;  // a copy nested in another's registry (internal/nested_copy.cc)
 
@@ -335,7 +347,12 @@ class alignas(1024) AtForkRegistry {
   ForkReport last_ FORKSAFE_GUARDED_BY(mu_);
   uint64_t fork_count_ FORKSAFE_GUARDED_BY(mu_) = 0;
   bool framework_lock_taken_ FORKSAFE_GUARDED_BY(mu_) = false;
-  bool alone_ FORKSAFE_GUARDED_BY(mu_) = false;    // the latest round's PrepareAttempt::alone
+  bool alone_ FORKSAFE_GUARDED_BY(mu_) = false;  // ForkingThreadAlone() for the running callback
+  // The quiet rule, per round: threads reported parked (NoteThreadsParkedForFork), whether all
+  // other threads are among them, and whether this round may turn quiet at all.
+  int parked_ FORKSAFE_GUARDED_BY(mu_) = 0;
+  bool quiet_ FORKSAFE_GUARDED_BY(mu_) = false;
+  bool may_quiet_ FORKSAFE_GUARDED_BY(mu_) = false;
   int fork_waiters_ FORKSAFE_GUARDED_BY(mu_) = 0;  // threads waiting on fork_done_
   // ForkGeneration(): here rather than in a global, so that the child writes no other page.
   std::atomic<uint64_t> generation_{0};
@@ -344,6 +361,8 @@ class alignas(1024) AtForkRegistry {
 
   friend DefaultFrameworkLock& internal_default_framework_lock();
   friend bool ForkingThreadAlone();
+  friend void NoteThreadsParkedForFork(int n);
+  friend bool ParkingWouldQuietFork(int n);
   friend uint64_t ForkGeneration();
 };
 
@@ -397,10 +416,23 @@ bool LockForFork(internal::Mutex& mu, const PrepareAttempt& attempt)
 bool InForkHandler();
 
 /// On the forking thread inside a fork's callbacks (prepare, parent, child, roll-back): the
-/// PrepareAttempt::alone of that fork's latest prepare round. False elsewhere. A handler whose
-/// prepare skipped taking a lock because the round was alone reads it in parent and child to
-/// skip the unlock.
+/// PrepareAttempt::alone that the running handler's own prepare saw in this fork's latest round.
+/// False elsewhere. A handler whose prepare skipped taking a lock because it was alone reads it
+/// in parent and child to skip the unlock.
 bool ForkingThreadAlone();
+
+/// For the prepare callback of a component that owns threads (a pool): `n` of its threads are
+/// parked for this fork. Each holds no lock, runs nothing (neither the component's code nor its
+/// users'), holds no oneTBB thread state, and stays so until this component's parent or child
+/// callback, or a roll-back of its prepare, lets it go. When the threads so reported are all the
+/// process's threads but the forking one, the fork is quiet: the handlers that prepare after
+/// this one see PrepareAttempt::alone. Ignored outside a prepare callback and in a copy of
+/// forksafe nested in another's registry. Costs one stat() of /proc/self/task.
+void NoteThreadsParkedForFork(int n);
+
+/// In a prepare callback: whether parking `n` more threads (and reporting them) would make this
+/// fork quiet. For a component that parks a thread only when that pays off. One stat().
+bool ParkingWouldQuietFork(int n);
 
 /// 0 in a process that was not created by fork() since the program started (or exec'd);
 /// incremented in each forked child, so a child compares it to detect inherited state.

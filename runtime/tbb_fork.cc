@@ -1,9 +1,5 @@
 #include "forksafe/runtime/tbb_fork.h"
 
-#include <fcntl.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -12,6 +8,7 @@
 
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/internal/mutex.h"
+#include "forksafe/runtime/internal/thread_count.h"
 #include "forksafe/runtime/openmp_fork.h"
 #include "oneapi/tbb/global_control.h"
 #include "oneapi/tbb/task_arena.h"
@@ -61,38 +58,17 @@ void HoldScheduler(TbbForkState& st) FORKSAFE_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
   }
 }
 
-// Threads of this process: entries of /proc/self/task, read with getdents64 into a stack buffer
-// (no allocation). -1 when /proc cannot be read.
-int ThreadCount() {
-  const int fd = open("/proc/self/task", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return -1;
-  alignas(8) char buf[4096];
-  int n = 0;
-  for (;;) {
-    const long got = syscall(SYS_getdents64, fd, buf, sizeof buf);
-    if (got <= 0) break;
-    for (long off = 0; off < got;) {
-      const auto* len = reinterpret_cast<const unsigned short*>(buf + off + 16);  // d_reclen
-      const char* name = buf + off + 19;                                          // d_name
-      if (name[0] != '.') ++n;
-      off += *len;
-    }
-  }
-  close(fd);
-  return n;
-}
-
 // Only when prepare found no handle held (the program called ReleaseTbbScheduler, or attaching
 // failed): oneTBB may have shut workers down detached in the meantime. Wait until the number of
 // threads has been still for 0.3 ms, at most 20 ms.
 void LetDetachedWorkersFinish() {
-  int last = ThreadCount();
+  int last = internal::ListedThreads();
   if (last < 0) return;
   const auto limit = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
   int still = 0;
   while (still < 3 && std::chrono::steady_clock::now() < limit) {
     std::this_thread::sleep_for(std::chrono::microseconds(100));
-    const int now = ThreadCount();
+    const int now = internal::ListedThreads();
     still = now == last ? still + 1 : 0;
     last = now;
   }
@@ -217,6 +193,23 @@ void ReleaseTbbScheduler() {
 }
 
 bool TbbUsableInThisProcess() { return StateRef().usable.load(); }
+
+bool ThreadHoldsTbbState() {
+  return TbbUsableInThisProcess() && tbb::this_task_arena::current_thread_index() >= 0;
+}
+
+// tbb::finalize ends the calling thread's state before it checks for other references; those
+// remain (forksafe's own handle, at least), so it returns false at once and never waits.
+void ReleaseTbbThreadState() {
+  if (!ThreadHoldsTbbState()) return;
+  try {
+    tbb::task_scheduler_handle handle(tbb::attach{});
+    (void)tbb::finalize(handle, std::nothrow);
+  } catch (...) {
+    // Out of memory for the handle: the state stays, and a fork's finalize of oneTBB refuses
+    // (the registry retries).
+  }
+}
 
 TbbForkStats GetTbbForkStats() {
   TbbForkState& st = StateRef();

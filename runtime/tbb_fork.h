@@ -91,6 +91,17 @@ void ReleaseTbbScheduler();
 /// False in a child forked while oneTBB's workers could not be joined.
 bool TbbUsableInThisProcess();
 
+/// Whether the calling thread has run a oneTBB algorithm and still holds oneTBB thread state (a
+/// reference to oneTBB's scheduler that only the thread's end, or ReleaseTbbThreadState, drops).
+/// A thread-local read; never starts oneTBB.
+bool ThreadHoldsTbbState();
+
+/// Drops the calling thread's oneTBB thread state, as the thread's end would, so that a fork's
+/// finalize of oneTBB does not wait for it: for long-lived threads that park idle across forks
+/// (pool workers, a device thread). The thread's next oneTBB algorithm sets it up again. Takes
+/// oneTBB's and tbbmalloc's locks: call it holding no lock, never from an at-fork handler.
+void ReleaseTbbThreadState();
+
 /// Counters, for tests and diagnostics.
 struct TbbForkStats {
   uint64_t finalized = 0;         ///< Forks before which oneTBB's workers were joined.

@@ -16,8 +16,6 @@
 #include "forksafe/runtime/internal/fork_entry.h"
 #include "forksafe/runtime/internal/openmp_order.h"
 #include "forksafe/runtime/tbb_fork.h"
-#include "oneapi/tbb/global_control.h"
-#include "oneapi/tbb/task_arena.h"
 
 namespace forksafe::runtime {
 namespace internal {
@@ -80,29 +78,6 @@ bool RunTask(std::function<void()> task) {
     return true;
   }
   return false;
-}
-
-// Whether this thread has run a oneTBB algorithm and still holds its oneTBB thread state: a
-// reference to oneTBB's scheduler that only the thread's end, or ReleaseTbbThreadState, drops.
-// A thread-local read inside oneTBB; never starts oneTBB.
-bool ThreadHoldsTbbState() {
-  return TbbUsableInThisProcess() && tbb::this_task_arena::current_thread_index() >= 0;
-}
-
-// Drops this thread's oneTBB thread state (what its end would drop), so that oneTBB's prepare,
-// which runs after the pools' (runtime/tbb_fork.h), can finalize oneTBB: a finalize fails while
-// a live thread holds such a reference. tbb::finalize ends the calling thread's state before it
-// checks for other references; those remain (forksafe's own handle, at least), so it returns
-// false at once and never waits. The thread's next oneTBB algorithm sets the state up again.
-// Called with no lock held: it takes oneTBB's and tbbmalloc's locks.
-void ReleaseTbbThreadState() {
-  if (!ThreadHoldsTbbState()) return;
-  try {
-    tbb::task_scheduler_handle handle(tbb::attach{});
-    (void)tbb::finalize(handle, std::nothrow);
-  } catch (...) {
-    // Out of memory for the handle: oneTBB's prepare refuses, and the registry retries.
-  }
 }
 
 // Sets or clears the pause for a fork. Clearing wakes the threads parked by it: the workers that
@@ -596,6 +571,10 @@ bool ThreadPool::PrepareFork(const PrepareAttempt& attempt) {
   const int busy = unparked();
   if (busy <= 0) {
     drained_this_fork_ = true;
+    // Parked as NoteThreadsParkedForFork asks: no task, no lock (a spurious wake-up takes only
+    // s->mu, which the child abandons), no oneTBB thread state, and waiting for the end of the
+    // pause, which only ParentAfterFork (or a roll-back) brings.
+    NoteThreadsParkedForFork(s->parked);
     return true;
   }
   if (!last && std::chrono::steady_clock::now() < hard_deadline) {

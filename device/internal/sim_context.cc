@@ -23,9 +23,11 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/memory_bounds.h"
 #include "forksafe/runtime/internal/random.h"
+#include "forksafe/runtime/tbb_fork.h"
 
 namespace forksafe::device::internal {
 
@@ -86,7 +88,7 @@ int SimIpcEvents() { return EnvInt("FORKSAFE_SIM_IPC_EVENTS", 64, 0, kMaxEvents)
 void SimContext::Run() {
   MutexLock lk(&q_mu);
   for (;;) {
-    while (queue.empty()) q_cv.Wait(&lk);
+    while (queue.empty() || parked_for_fork) q_cv.Wait(&lk);
     std::function<void()> op = std::move(queue.front());
     queue.pop_front();
     lk.Unlock();
@@ -96,11 +98,37 @@ void SimContext::Run() {
     } catch (...) {
       err = std::current_exception();
     }
+    op = nullptr;  // what the operation captured goes before it counts as completed
+    // A kernel that ran a oneTBB algorithm left this thread holding oneTBB state: dropped here,
+    // so that the idle device thread holds none (a fork may park it: ParkForFork).
+    runtime::ReleaseTbbThreadState();
     lk.Lock();
     if (err && !async_error) async_error = err;
     ++completed;
     done_cv.NotifyAll();
   }
+}
+
+void SimContext::ParkForFork() {
+  if (!q_mu.TryLock()) return;  // in use this instant: not idle, and a prepare does not wait
+  // Idle: every operation queued so far has completed (its completion is counted under q_mu
+  // after its oneTBB state was dropped), so the device thread waits on q_cv, or for q_mu before
+  // its first wait, holding nothing else. Only a running thread could queue more; when parking
+  // makes the fork quiet there is none but the forking thread, and anything queued from now on
+  // waits for UnparkAfterFork.
+  if (queue.empty() && completed == submitted && !parked_for_fork &&
+      runtime::ParkingWouldQuietFork(1)) {
+    parked_for_fork = true;
+    runtime::NoteThreadsParkedForFork(1);
+  }
+  q_mu.Unlock();
+}
+
+void SimContext::UnparkAfterFork() {
+  MutexLock lk(&q_mu);
+  if (!parked_for_fork) return;
+  parked_for_fork = false;
+  if (!queue.empty()) q_cv.NotifyOne();
 }
 
 uint64_t SimContext::Enqueue(std::function<void()> op) {

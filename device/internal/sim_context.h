@@ -146,6 +146,8 @@ struct SimContext {
   uint64_t submitted FORKSAFE_GUARDED_BY(q_mu) = 0;
   uint64_t completed FORKSAFE_GUARDED_BY(q_mu) = 0;
   std::exception_ptr async_error FORKSAFE_GUARDED_BY(q_mu);
+  // Parked for a fork (ParkForFork): the device thread starts nothing queued until it is false.
+  bool parked_for_fork FORKSAFE_GUARDED_BY(q_mu) = false;
   std::thread device_thread;
 
   // ---- the stream (device/internal/sim_context.cc) ----
@@ -157,6 +159,11 @@ struct SimContext {
   // Rethrows (once) an error of earlier stream work, like a sticky CUDA error at the next
   // synchronous call.
   void RaiseAsyncError() FORKSAFE_LOCKS_EXCLUDED(q_mu);
+  // For the fork's prepare callback: parks the device thread when it is idle and parking it makes
+  // the fork quiet (runtime/at_fork.h, NoteThreadsParkedForFork); never waits for q_mu.
+  void ParkForFork() FORKSAFE_LOCKS_EXCLUDED(q_mu);
+  // For the parent callback (and a roll-back): lets a parked device thread go on.
+  void UnparkAfterFork() FORKSAFE_LOCKS_EXCLUDED(q_mu);
 
   // ---- addresses ----
   static uint64_t Encode(int index, uint64_t va) {

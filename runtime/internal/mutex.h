@@ -29,8 +29,11 @@
 #ifndef FORKSAFE_RUNTIME_INTERNAL_MUTEX_H_
 #define FORKSAFE_RUNTIME_INTERNAL_MUTEX_H_
 
+#include <pthread.h>
+
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <new>
 
@@ -105,8 +108,19 @@ class CondVar {
   /// Wakes every waiter.
   void NotifyAll() noexcept { cv_.notify_all(); }
 
-  /// Re-creates the condition variable with no waiters, in a forked child (see Hazards).
-  void ResetAfterFork() { new (&cv_) std::condition_variable(); }
+  /// Re-creates the condition variable with no waiters, in a forked child (see Hazards). With
+  /// libstdc++, whose std::condition_variable is one pthread_cond_t, in inline stores: its
+  /// constructor is out of line, and each code page a forked child runs costs it a page fault.
+  void ResetAfterFork() {
+#if defined(__GLIBCXX__)
+    static_assert(sizeof(std::condition_variable) == sizeof(pthread_cond_t),
+                  "libstdc++'s std::condition_variable is expected to hold one pthread_cond_t");
+    const pthread_cond_t fresh = PTHREAD_COND_INITIALIZER;
+    std::memcpy(static_cast<void*>(&cv_), &fresh, sizeof fresh);
+#else
+    new (&cv_) std::condition_variable();
+#endif
+  }
 
   /// The std::condition_variable underneath.
   std::condition_variable& native() { return cv_; }
