@@ -88,7 +88,7 @@ int SimIpcEvents() { return EnvInt("FORKSAFE_SIM_IPC_EVENTS", 64, 0, kMaxEvents)
 void SimContext::Run() {
   MutexLock lk(&q_mu);
   for (;;) {
-    while (queue.empty() || parked_for_fork) q_cv.Wait(&lk);
+    while (queue.empty() || parked_for_fork.load()) q_cv.Wait(&lk);
     std::function<void()> op = std::move(queue.front());
     queue.pop_front();
     lk.Unlock();
@@ -110,24 +110,26 @@ void SimContext::Run() {
 }
 
 void SimContext::ParkForFork() {
+  // Counted first: a fork that cannot turn quiet writes nothing here (each page written around a
+  // fork costs a copy-on-write fault).
+  if (!runtime::ParkingWouldQuietFork(1)) return;
   if (!q_mu.TryLock()) return;  // in use this instant: not idle, and a prepare does not wait
   // Idle: every operation queued so far has completed (its completion is counted under q_mu
   // after its oneTBB state was dropped), so the device thread waits on q_cv, or for q_mu before
   // its first wait, holding nothing else. Only a running thread could queue more; when parking
   // makes the fork quiet there is none but the forking thread, and anything queued from now on
   // waits for UnparkAfterFork.
-  if (queue.empty() && completed == submitted && !parked_for_fork &&
-      runtime::ParkingWouldQuietFork(1)) {
-    parked_for_fork = true;
+  if (queue.empty() && completed == submitted && !parked_for_fork.load()) {
+    parked_for_fork.store(true);
     runtime::NoteThreadsParkedForFork(1);
   }
   q_mu.Unlock();
 }
 
 void SimContext::UnparkAfterFork() {
+  if (!parked_for_fork.load()) return;  // written only under q_mu, by this (forking) thread
   MutexLock lk(&q_mu);
-  if (!parked_for_fork) return;
-  parked_for_fork = false;
+  parked_for_fork.store(false);
   if (!queue.empty()) q_cv.NotifyOne();
 }
 

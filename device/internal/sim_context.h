@@ -28,6 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -147,7 +148,9 @@ struct SimContext {
   uint64_t completed FORKSAFE_GUARDED_BY(q_mu) = 0;
   std::exception_ptr async_error FORKSAFE_GUARDED_BY(q_mu);
   // Parked for a fork (ParkForFork): the device thread starts nothing queued until it is false.
-  bool parked_for_fork FORKSAFE_GUARDED_BY(q_mu) = false;
+  // Written under q_mu; read without it by the parent callback, so that a fork that did not park
+  // the thread does not take q_mu (a write to its page) afterwards.
+  std::atomic<bool> parked_for_fork{false};
   std::thread device_thread;
 
   // ---- the stream (device/internal/sim_context.cc) ----
