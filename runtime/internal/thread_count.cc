@@ -15,8 +15,8 @@ int ListedThreads(int limit) {
   if (fd < 0) return -1;
   alignas(8) char buf[2048];
   int n = 0;
-  for (long got; (limit == 0 || n < limit) &&
-                 (got = syscall(SYS_getdents64, fd, buf, sizeof buf)) > 0;) {
+  for (long got;
+       (limit == 0 || n < limit) && (got = syscall(SYS_getdents64, fd, buf, sizeof buf)) > 0;) {
     for (long off = 0; off < got;) {
       const auto* d = reinterpret_cast<const dirent64*>(buf + off);
       if (d->d_name[0] != '.') ++n;

@@ -123,7 +123,7 @@ TEST(QuietForkTest, ParkedPoolWorkersMakeTheForkQuietForTheHandlersPreparedAfter
         }
         if (quiet_child != 0) return 13;
         if (before_pool.prepare != 2 || before_pool.parent != 2) return 15;
-        if (GetTbbForkStats().finalized != finalized) return 16;  // oneTBB skipped, quiet
+        if (GetTbbForkStats().finalized != finalized) return 16;    // oneTBB skipped, quiet
         if (pool.Submit([] { return 42; }).get() != 42) return 17;  // the workers went on
         // Another thread, parked by nobody: the full protocol again.
         if (!WaitUntil([] { return ThreadsOfThisProcess() == 3; }, 5s)) return 18;
@@ -171,8 +171,8 @@ TEST(QuietForkTest, AnIdleDeviceThreadIsParkedAndABusyOneKeepsTheFullProtocol) {
         if (!RunInChild([] { return 0; }, 20s, 20).ok()) return 12;
         if (GetTbbForkStats().finalized != finalized) return 13;  // quiet: oneTBB skipped
         // The device thread runs again after the fork.
-        auto& backend = static_cast<device::SimBackend&>(
-            device::GetBackend(device::DeviceType::kSimAccel));
+        auto& backend =
+            static_cast<device::SimBackend&>(device::GetBackend(device::DeviceType::kSimAccel));
         std::atomic<int> ran{0};
         backend.LaunchKernel(0, p, 4096, [&ran](void*, size_t) { ran.fetch_add(1); });
         device::Synchronize(sim);
