@@ -32,6 +32,7 @@
 #include "benchmark/benchmark.h"
 #include "forksafe/device/registry.h"
 #include "forksafe/runtime/internal/at_fork_bypass.h"
+#include "forksafe/runtime/tbb_fork.h"
 #include "forksafe/runtime/thread_pool.h"
 #include "oneapi/tbb/parallel_for.h"
 
@@ -172,7 +173,14 @@ BENCHMARK(BM_PairedBareVsUnusedRuntime)->UseRealTime()->MinTime(1.0)->Repetition
 
 void BM_PairedBareVsRuntime(benchmark::State& state) {
   SetUpRuntime();
+  // The process's other threads are the default pool's parked workers and the simulated
+  // accelerator's idle device thread: its forks are quiet (runtime/at_fork.h), and oneTBB is not
+  // finalized on them (`tbb_finalized` per runtime fork: 0 when quiet, 1 with the full protocol).
+  const uint64_t finalized = forksafe::runtime::GetTbbForkStats().finalized;
   TimePairedForks(state, "ratio");
+  state.counters["tbb_finalized"] =
+      static_cast<double>(forksafe::runtime::GetTbbForkStats().finalized - finalized) /
+      static_cast<double>(state.iterations());
 }
 BENCHMARK(BM_PairedBareVsRuntime)->UseRealTime()->MinTime(1.0)->Repetitions(5);
 

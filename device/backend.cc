@@ -156,7 +156,9 @@ void Backend::OnForkChild() FORKSAFE_NO_THREAD_SAFETY_ANALYSIS {
     if (initialized_by_ == 0) initialized_by_ = getppid();
     state_.store(BackendState::kPoisoned, std::memory_order_release);
   }
-  DoForkChild();
+  // A backend that was never set up has nothing of its own to reset (and the child does not run
+  // its code: each code page a forked child runs costs it a page fault).
+  if (was_live || was_initializing) DoForkChild();
 }
 
 }  // namespace forksafe::device

@@ -128,8 +128,9 @@ class Backend {
   /// "The rule for handlers"); parent undoes what prepare did (it also runs on a roll-back).
   virtual void DoForkPrepare() {}
   virtual void DoForkParent() {}
-  /// Extra per-backend work in the child after the base class updated its state; the default
-  /// does nothing. Must not touch state inherited from other threads.
+  /// Extra per-backend work in the child after the base class updated its state, for a backend
+  /// that was initialized (or being initialized) at the fork; the default does nothing. Must not
+  /// touch state inherited from other threads.
   virtual void DoForkChild() {}
 
   /// Throws kInvalidArgument unless 0 <= index < DeviceCount().

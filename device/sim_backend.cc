@@ -242,12 +242,6 @@ void SimBackend::DoForkParent() {
   if (ctx_->owner == getpid()) ctx_->UnparkAfterFork();
 }
 
-void SimBackend::DoForkChild() {
-  // The device thread does not exist here and the context's mutexes may be held by threads that
-  // do not exist either: the context is abandoned untouched (its mappings stay, and are never
-  // used again; the descriptors are close-on-exec and die with the child).
-}
-
 void* SimBackend::AllocateForeign(int index, size_t bytes) {
   CheckIndex(index, "AllocateForeign");
   Initialize();

@@ -22,7 +22,11 @@
 //     its own completion, LaunchKernel does not (Synchronize waits for everything queued);
 //   - the context does not survive fork(): a child forked after initialization finds the
 //     backend poisoned (ErrorCode::kForkPoisoned), exactly as CUDA refuses to re-initialize in a
-//     forked child.
+//     forked child;
+//   - at a fork whose other threads are all parked pool workers, the idle device thread is
+//     parked too (it starts nothing queued until the parent callback), so that the fork stays
+//     quiet (runtime/at_fork.h, NoteThreadsParkedForFork); a busy one is left running, as
+//     before. A kernel that runs oneTBB has the device thread's oneTBB state dropped after it.
 //
 // Configuration (read on every query; never initializes the backend)
 //   FORKSAFE_SIM_DEVICES    number of devices, 0..16 (default 2)
@@ -110,7 +114,9 @@ class SimBackend final : public Backend, public IpcBackend {
   void DoSynchronize(int index) override;
   void DoForkPrepare() override;
   void DoForkParent() override;
-  void DoForkChild() override;
+  // No DoForkChild: in a forked child the device thread does not exist and the context's mutexes
+  // may be held by threads that do not exist either, so the context is abandoned untouched (its
+  // mappings stay, never used again; its descriptors are close-on-exec and die with the child).
 
  private:
   internal::SimContext* ctx_ = nullptr;  // owned by the process that initialized; leaked after fork

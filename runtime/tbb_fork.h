@@ -16,11 +16,13 @@
 //     after the fork for it. Holding it means oneTBB's scheduler is only ever shut down by this
 //     handler's blocking finalize, which joins every worker: oneTBB never shuts its workers down
 //     detached (see "Hazard: detached workers" below).
-//   - Skipped when idle: when the forking thread is the process's only thread
-//     (PrepareAttempt::alone) and has not run a oneTBB algorithm since the last finalize, prepare
-//     neither finalizes nor takes its lock: oneTBB then has no worker to join and nothing inside
-//     it, and the child inherits it as the parent has it (attached, no workers). This keeps a
-//     process that never used oneTBB from paying for it on every fork: finalize + attach wrote
+//   - Skipped when idle: when the forking thread is the process's only thread, or the fork is
+//     quiet (its other threads are pool workers and a device thread parked for it, which hold
+//     no oneTBB state: PrepareAttempt::alone either way, and a oneTBB worker is a thread nobody
+//     parks, so none exists), and it has not run a oneTBB algorithm since the last finalize,
+//     prepare neither finalizes nor takes its lock: oneTBB then has no worker to join and nothing
+//     inside it, and the child inherits it as the parent has it (attached, no workers). This keeps
+//     a process that never used oneTBB from paying for it on every fork: finalize + attach wrote
 //     about six pages of oneTBB and tbbmalloc, each a copy-on-write page fault per fork (issue
 //     19; docs/performance.md, "Idle fork"). Any other thread (a pool worker, a oneTBB worker, a
 //     thread of the program) or a forking thread that ran oneTBB (it may be inside a task) gives

@@ -29,7 +29,11 @@
 //            outlives the deadline the fork still proceeds and
 //            ForkEventKind::kDrainDeadlineExceeded is reported (before the deadline, prepare
 //            says "not yet" so the registry can roll back other subsystems that the task may be
-//            waiting for; a rolled-back attempt lets the parked workers go on).
+//            waiting for; a rolled-back attempt lets the parked workers go on). Once drained,
+//            the pool reports its parked workers to the registry (NoteThreadsParkedForFork):
+//            when they and other such threads are all the process has besides the forking
+//            thread, the fork is quiet and the handlers prepared after the pools skip their
+//            locks and oneTBB's finalize (runtime/at_fork.h, PrepareAttempt::alone).
 //   parent:  intake resumes; the parked workers (and parked ParallelFor helpers) go on.
 //   child:   the inherited state (queue, mutexes, thread objects) is abandoned untouched; the pool
 //            is rebuilt empty on first use. Tasks queued in the parent never run in the child.
