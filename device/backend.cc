@@ -130,11 +130,13 @@ void Backend::Synchronize(int index) {
 }
 
 void Backend::OnForkPrepare() {
-  if (initialized()) DoForkPrepare();
+  const bool now = initialized();
+  if (fork_prepared_ != now) fork_prepared_ = now;
+  if (now) DoForkPrepare();
 }
 
 void Backend::OnForkParent() {
-  if (initialized()) DoForkParent();
+  if (fork_prepared_) DoForkParent();
 }
 
 // Runs in a forked child, which has one thread: `initializing` is read without the lock, which

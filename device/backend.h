@@ -145,6 +145,10 @@ class Backend {
   // The pid that initialized it (the parent, once poisoned): written under the initialization
   // lock before state_ is published as kReady (release), read after state_ (acquire).
   pid_t initialized_by_ = 0;
+  // Whether the latest fork's prepare ran DoForkPrepare, so that DoForkParent pairs with it even
+  // when another thread finished initializing in between. Only the forking thread touches it,
+  // inside the fork's callbacks; written only when it changes (a page per write around a fork).
+  bool fork_prepared_ = false;
 };
 
 }  // namespace forksafe::device

@@ -42,8 +42,10 @@ bool ThreadCountIs(int n) {
   // in the link count disagrees every time, and after three the rule stays off (safe).
   const int listed = ListedThreads();
   struct stat again;
-  const bool agrees = listed >= 1 && stat("/proc/self/task", &again) == 0 &&
-                      again.st_nlink == static_cast<nlink_t>(listed) + 2;
+  if (listed < 1 || stat("/proc/self/task", &again) != 0) return false;
+  // A thread started or ended between the two stat() calls: no verdict either way.
+  if (again.st_nlink != st.st_nlink) return false;
+  const bool agrees = again.st_nlink == static_cast<nlink_t>(listed) + 2;
   trust.store(agrees ? 1 : t - 1, std::memory_order_relaxed);
   return agrees && listed == n;
 }

@@ -110,9 +110,19 @@ TEST(QuietForkTest, ParkedPoolWorkersMakeTheForkQuietForTheHandlersPreparedAfter
         ThreadPool pool(ThreadPoolOptions{2, "quiet", 2000ms});
         RegisterProbe(&tag_before, "probe_prepared_before_the_pool", &before_pool, false);
         if (!StartWorkersAndLetThemPark(pool, 3)) return 10;
-        // The forking thread ran oneTBB: the first fork finalizes (this thread holds its state).
+        // This thread runs oneTBB, then forks with one more thread of its own alive: the full
+        // protocol, which finalizes oneTBB (joining any workers it started).
         tbb::parallel_for(0, 100, [](int) {});
-        if (ForkAndCheckChild(false) != 0) return 11;  // finalized: not alone for oneTBB
+        {
+          std::atomic<bool> stop{false};
+          std::thread other([&stop] {
+            while (!stop.load()) std::this_thread::sleep_for(1ms);
+          });
+          const int rc = ForkAndCheckChild(false);
+          stop = true;
+          other.join();
+          if (rc != 0) return 11;
+        }
         if (!WaitUntil([] { return ThreadsOfThisProcess() == 3; }, 5s)) return 12;
         const uint64_t finalized = GetTbbForkStats().finalized;
         const int quiet_child = ForkAndCheckChild(true);  // its child callback saw alone too
