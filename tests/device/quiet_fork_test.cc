@@ -82,6 +82,28 @@ int ForkAndCheckChild(bool expect_alone) {
   return 1;
 }
 
+// ForkAndCheckChild(false) while one more thread of this process, parked by nobody, is alive:
+// the fork takes the full protocol.
+int ForkWithAnotherThreadAndCheckChild() {
+  std::atomic<bool> stop{false};
+  std::thread other([&stop] {
+    while (!stop.load()) std::this_thread::sleep_for(1ms);
+  });
+  const int rc = ForkAndCheckChild(false);
+  stop = true;
+  other.join();
+  return rc;
+}
+
+// The verdict on a test's forked child: skipped where a child of this process is never alone,
+// otherwise its exit code must be 0 (`codes` says what the others mean).
+void ExpectChildOk(const forksafe::testing::ChildResult& child, const char* codes) {
+  if (child.exited && child.exit_code == kNotAlone) {
+    GTEST_SKIP() << "a forked child of this process has more than one thread here";
+  }
+  EXPECT_TRUE(child.ok()) << child.Describe() << " (" << codes << ")";
+}
+
 // Starts both workers of `pool` and waits until they are parked, idle (`threads` in all).
 bool StartWorkersAndLetThemPark(ThreadPool& pool, int threads) {
   std::atomic<int> running{0};
@@ -113,16 +135,7 @@ TEST(QuietForkTest, ParkedPoolWorkersMakeTheForkQuietForTheHandlersPreparedAfter
         // This thread runs oneTBB, then forks with one more thread of its own alive: the full
         // protocol, which finalizes oneTBB (joining any workers it started).
         tbb::parallel_for(0, 100, [](int) {});
-        {
-          std::atomic<bool> stop{false};
-          std::thread other([&stop] {
-            while (!stop.load()) std::this_thread::sleep_for(1ms);
-          });
-          const int rc = ForkAndCheckChild(false);
-          stop = true;
-          other.join();
-          if (rc != 0) return 11;
-        }
+        if (ForkWithAnotherThreadAndCheckChild() != 0) return 11;
         if (!WaitUntil([] { return ThreadsOfThisProcess() == 3; }, 5s)) return 12;
         const uint64_t finalized = GetTbbForkStats().finalized;
         const int quiet_child = ForkAndCheckChild(true);  // its child callback saw alone too
@@ -137,14 +150,7 @@ TEST(QuietForkTest, ParkedPoolWorkersMakeTheForkQuietForTheHandlersPreparedAfter
         if (pool.Submit([] { return 42; }).get() != 42) return 17;  // the workers went on
         // Another thread, parked by nobody: the full protocol again.
         if (!WaitUntil([] { return ThreadsOfThisProcess() == 3; }, 5s)) return 18;
-        std::atomic<bool> stop{false};
-        std::thread other([&stop] {
-          while (!stop.load()) std::this_thread::sleep_for(1ms);
-        });
-        const int rc = ForkAndCheckChild(false);
-        stop = true;
-        other.join();
-        if (rc != 0) return 19;
+        if (ForkWithAnotherThreadAndCheckChild() != 0) return 19;
         if (after_pool.prepare != 2 || after_pool.parent != 2) return 20;
         if (GetTbbForkStats().finalized != finalized + 1) return 21;  // finalized again
         AtForkRegistry::Get().Unregister(&tag_after);
@@ -152,15 +158,12 @@ TEST(QuietForkTest, ParkedPoolWorkersMakeTheForkQuietForTheHandlersPreparedAfter
         return 0;
       },
       60s, 60);
-  if (child.exited && child.exit_code == kNotAlone) {
-    GTEST_SKIP() << "a forked child of this process has more than one thread here";
-  }
-  EXPECT_TRUE(child.ok()) << child.Describe()
-                          << " (10/12/18 workers did not start or park, 11/13/19 a grandchild "
-                             "failed or its child callback saw the wrong thing, 14 not quiet "
-                             "after the pool, 15 quiet before the pool drained, 16 oneTBB "
-                             "finalized in a quiet fork, 17 the pool stalled after it, 20/21 "
-                             "quiet with another thread)";
+  ExpectChildOk(child,
+                "10/12/18 workers did not start or park, 11/13/19 a grandchild "
+                "failed or its child callback saw the wrong thing, 14 not quiet "
+                "after the pool, 15 quiet before the pool drained, 16 oneTBB "
+                "finalized in a quiet fork, 17 the pool stalled after it, 20/21 "
+                "quiet with another thread");
 }
 
 // The simulated accelerator's device thread, idle, is parked for the fork and the fork stays
@@ -206,14 +209,11 @@ TEST(QuietForkTest, AnIdleDeviceThreadIsParkedAndABusyOneKeepsTheFullProtocol) {
         return 0;
       },
       60s, 60);
-  if (child.exited && child.exit_code == kNotAlone) {
-    GTEST_SKIP() << "a forked child of this process has more than one thread here";
-  }
-  EXPECT_TRUE(child.ok()) << child.Describe()
-                          << " (10 workers did not start, 11/12/16 a grandchild failed, 13 "
-                             "oneTBB finalized although quiet, 14 the device thread did not run "
-                             "after the fork, 15 the kernel did not start, 17 quiet with a busy "
-                             "device thread)";
+  ExpectChildOk(child,
+                "10 workers did not start, 11/12/16 a grandchild failed, 13 "
+                "oneTBB finalized although quiet, 14 the device thread did not run "
+                "after the fork, 15 the kernel did not start, 17 quiet with a busy "
+                "device thread");
 }
 
 }  // namespace
