@@ -270,3 +270,71 @@ def test_repeated_fresh_large_sends_reuse_one_cached_segment():
         assert finish([p]) == [0]
     assert after["segments_created"] == before["segments_created"], (before, after)
     assert after["large_segments_reused"] - before["large_segments_reused"] == 6, (before, after)
+
+
+def test_a_lone_tensor_crosses_in_the_short_form_with_its_layout_intact():
+    # A message that is one plain CPU tensor skips the pickler (reduction._dumps_torch): every
+    # layout must still arrive as it left, over the same memory.
+    base = torch.arange(24, dtype=torch.float32)
+    cases = {
+        "flat": base,
+        "matrix": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        "slice": base[5:11],
+        "transposed": torch.arange(6, dtype=torch.float64).reshape(2, 3).t(),
+        "strided": base[::3],
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0),
+        "empty matrix": torch.zeros(3, 0, dtype=torch.int32),
+        "expanded": torch.tensor([1, 2, 3], dtype=torch.int16).expand(4, 3),
+        "half": torch.tensor([1.5, -2.0], dtype=torch.float16),
+        "bool": torch.tensor([True, False, True]),
+        "complex": torch.tensor([1 + 2j, 3 - 4j]),
+        "leaf requiring grad": torch.ones(3, requires_grad=True),
+    }
+    q = mp.Queue()
+    for name, t in cases.items():
+        data, tensors, fds = reduction.dumps(t)
+        if t.numel():
+            assert data[:1] == b"\x00" and len(tensors) == 1 and fds == [], name
+        else:  # no memory to share: the shape crosses in the pickle
+            assert data[:1] != b"\x00" and tensors == [] and fds == [], name
+        q.put(t)
+        got = q.get(timeout=5)
+        assert type(got) is torch.Tensor, name
+        assert got.dtype == t.dtype and got.shape == t.shape, name
+        assert got.stride() == t.stride() and got.storage_offset() == t.storage_offset(), name
+        assert got.requires_grad == t.requires_grad, name
+        assert torch.equal(got.detach(), t.detach()), name
+        assert reduction.is_shared(t), name  # moved into shared memory in place
+        if got.numel():  # in one process the very same memory, not a copy
+            assert got.data_ptr() == t.data_ptr(), name
+    # A write through the received tensor is the sender's: the same memory, not a copy.
+    q.put(base)
+    got = q.get(timeout=5)
+    got[7] = -1.0
+    assert base[7].item() == -1.0
+    # A view made after the first send crosses over the same memory too.
+    view = base[2:4]
+    q.put(view)
+    got = q.get(timeout=5)
+    got[0] = 42.0
+    assert base[2].item() == 42.0
+    # A Parameter (a subclass) takes the pickler and stays a Parameter.
+    p = torch.nn.Parameter(torch.zeros(2))
+    assert reduction.dumps(p)[0][:1] != b"\x00"
+
+
+def test_plain_values_cross_without_the_pickler_and_keep_their_types():
+    q = mp.Queue()
+    values = [0, -7, 2**100, 1.25, float("inf"), 3 - 1j, True, None, "", "päckchen", b"\x00\x80",
+              [1, "two", 3.0], {"k": (1, 2)}]
+    for v in values:
+        data, tensors, fds = reduction.dumps(v)
+        assert tensors == [] and fds == []
+        q.put(v)
+        got = q.get(timeout=5)
+        assert got == v and type(got) is type(v), v
+    # A message whose first byte would be the short form's is never a pickle: b"\x00" crosses
+    # as bytes, not as a tensor.
+    q.put(b"\x00")
+    assert q.get(timeout=5) == b"\x00"
