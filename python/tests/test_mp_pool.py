@@ -336,3 +336,30 @@ def test_a_callback_may_submit_more_work():
         pool.apply_async(square, (2,), callback=again)
         assert done.wait(T)
     assert results == [4, 16, 256]
+
+
+def test_every_result_arrives_without_waiting_for_the_handlers_poll():
+    # The handler thread wakes on each event it acts on; its poll (Pool._poll_s) is a safety net
+    # only. With the poll made 300 s, maps, imaps and async work of more chunks than workers
+    # must still finish at once: a delivery held back until the poll (the end of a map's input
+    # used to be) now costs 300 s, and the bounded waits below turn that into a failure.
+    pool = mp.Pool(2)
+    try:
+        pool._poll_s = 300
+        time.sleep(0.1)
+        pool.apply(abs, (-1,))  # the handler's first wait (the 1 s one) has ended
+        for chunksize in (1, 3, 7, 40):
+            for _ in range(4):
+                got = pool.map_async(abs, range(-40, 0), chunksize).get(timeout=30)
+                assert got == list(range(40, 0, -1))
+        assert pool.starmap_async(pow, [(2, i) for i in range(9)], 2).get(timeout=30) == \
+            [2 ** i for i in range(9)]
+        it = pool.imap(abs, range(-9, 0), 2)
+        assert [it.next(timeout=30) for _ in range(9)] == list(range(9, 0, -1))
+        it = pool.imap_unordered(abs, range(-9, 0), 2)
+        assert sorted(it.next(timeout=30) for _ in range(9)) == list(range(1, 10))
+        assert [pool.apply_async(abs, (-i,)).get(timeout=30) for i in range(5)] == list(range(5))
+        pool.close()
+        assert join_within(pool, 30), "close() + join() waited for the handler's poll"
+    finally:
+        pool.terminate()

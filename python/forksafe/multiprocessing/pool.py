@@ -247,6 +247,10 @@ class _WorkerSlot:
 class Pool:
     """A pool of `processes` worker processes (os.cpu_count() by default)."""
 
+    # The handler's longest wait: a safety net only. Every event it acts on (a result, a worker's
+    # end, new work, close) wakes it at once; the tests lengthen it to prove that.
+    _poll_s = 1.0
+
     def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None,
                  context=None):
         from .context import get_context
@@ -349,7 +353,13 @@ class Pool:
                 for w in self._workers:
                     waitables.append(w.conn)
                     waitables.append(w.process.sentinel)
-            ready = _stdlib_connection.wait(waitables, timeout=1.0)
+            # What the dispatch queued is delivered before the wait, not after it: the end of a
+            # map's input is found there (the first dispatch after its last chunk), and when
+            # every result is in already nothing else would wake the wait. Held back, it cost a
+            # map its handler's whole poll (1 s) whenever it had more chunks than workers and
+            # its last result came in before its input was seen to end.
+            self._flush()
+            ready = _stdlib_connection.wait(waitables, timeout=self._poll_s)
             if self._wake_r in ready:
                 os.read(self._wake_r, 4096)
             with self._lock:
