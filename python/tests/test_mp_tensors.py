@@ -338,3 +338,34 @@ def test_plain_values_cross_without_the_pickler_and_keep_their_types():
     # as bytes, not as a tensor.
     q.put(b"\x00")
     assert q.get(timeout=5) == b"\x00"
+
+
+def test_a_tensor_over_known_memory_is_made_from_the_live_one_and_checked_first():
+    # While a torch tensor over a message's memory lives here, the received tensor is made from
+    # it (one op, no DLPack import); a live tensor that moved to other memory or joined an
+    # autograd graph is not used.
+    q = mp.Queue()
+    t = torch.arange(8, dtype=torch.float32)
+    q.put(t)  # t moves into shared memory
+    ptr = t.data_ptr()
+    got = q.get(timeout=5)
+    assert got._base is t and got.data_ptr() == ptr
+    got[0] = 5.0
+    assert t[0].item() == 5.0
+    t.unsqueeze_(0)  # t's metadata changes; its memory does not
+    q.put(got)
+    again = q.get(timeout=5)
+    assert again.shape == (8,) and again.data_ptr() == ptr and again[0].item() == 5.0
+    with torch.no_grad():
+        t.set_(torch.zeros(3))  # t now over other memory: the message's memory is imported
+    q.put(got)
+    moved = q.get(timeout=5)
+    assert moved.data_ptr() == ptr and moved[0].item() == 5.0 and moved.shape == (8,)
+    assert moved._base is not t
+    p = torch.nn.Parameter(torch.ones(4))
+    q.put(p)
+    got_p = q.get(timeout=5)  # p requires grad: a view of it would be part of its graph
+    assert isinstance(got_p, torch.nn.Parameter) and got_p.is_leaf and got_p.grad_fn is None
+    got_p.data[1] = 3.0
+    assert p[1].item() == 3.0
+    assert reduction.is_shared(moved) and reduction.is_shared(got)

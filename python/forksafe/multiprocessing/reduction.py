@@ -209,7 +209,7 @@ def _share_torch_(t):
         ctypes.memmove(fs.data_ptr(), storage.data_ptr(), nbytes)
     with torch.no_grad():
         t.set_(_untyped_storage(base), t.storage_offset(), t.size(), t.stride())
-    _remember_torch_storage(fs, base)
+    _remember_torch_storage(fs, t)  # t itself: a reply over this memory is made from it
     return t
 
 
@@ -236,20 +236,40 @@ def _torch_storage_released(ptr):
     # GIL, wherever torch let go). The record goes once no other torch storage uses the memory
     # (its `fs` handle is the last one); otherwise the last one's release drops it.
     entry = _torch_shared.get(ptr)
-    if entry is not None and entry[1]() is None and entry[0]._storage_use_count() <= 1:
+    if entry is not None and _record_unused(ptr, entry):
         _torch_shared.pop(ptr, None)
 
 
-def _remember_torch_storage(fs, base):
-    """Records that the torch uint8 tensor `base` views forksafe tensor `fs`'s whole memory.
-    The record holds `fs` and a weak reference to `base`: a later message over the same memory
-    makes its tensor from `base` (no new DLPack import), and a tensor sent again is found by its
-    storage's address. The record is dropped when torch lets go of the memory (_torch_view_of);
-    a prune, which runs once the records doubled in number or 64 MiB were recorded since the
-    last, also drops records whose memory no torch tensor uses any more."""
+def _record_unused(ptr, entry):
+    # No torch storage uses the memory any more: the recorded tensor is gone or now over other
+    # memory (set_), and no DLPack import of the memory is alive (`fs` is its last holder).
+    held, ref, _ = entry
+    t = ref()
+    return (t is None or _storage_ptr(t) != ptr) and held._storage_use_count() <= 1
+
+
+def _live_tensor_over(entry, ptr, torch_dtype):
+    """The recorded torch tensor of `entry` when a message's tensor can be made from it with one
+    op (as_strided): alive, still over the whole memory at `ptr`, of `torch_dtype`, not part of
+    an autograd graph. Else None (the caller imports the memory afresh)."""
+    t = entry[1]()
+    if (t is None or t.dtype is not torch_dtype or t.requires_grad
+            or _storage_ptr(t) != ptr):
+        return None
+    return t
+
+
+def _remember_torch_storage(fs, tensor):
+    """Records that torch tensor `tensor`'s storage is forksafe tensor `fs`'s whole memory. The
+    record holds `fs` and a weak reference to `tensor`: a later message over the same memory is
+    made from `tensor` while it lives (as_strided: no new DLPack import; its metadata may have
+    changed, its storage is checked), and a tensor sent again is found by its storage's address.
+    The record is dropped when torch lets go of the memory (_torch_view_of); a prune, which runs
+    once the records doubled in number or 64 MiB were recorded since the last, also drops
+    records whose memory no torch tensor uses any more."""
     global _bytes_since_prune
     nbytes = fs.nbytes
-    _torch_shared[fs.data_ptr()] = (fs, weakref.ref(base), nbytes)
+    _torch_shared[fs.data_ptr()] = (fs, weakref.ref(tensor), nbytes)
     _bytes_since_prune += nbytes
     if len(_torch_shared) >= _pruned_at or _bytes_since_prune >= _PRUNE_BYTES:
         _prune_torch_records()
@@ -257,8 +277,8 @@ def _remember_torch_storage(fs, base):
 
 def _prune_torch_records():
     global _pruned_at, _bytes_since_prune
-    for ptr, (held, ref, _) in list(_torch_shared.items()):
-        if ref() is None and held._storage_use_count() <= 1:
+    for ptr, entry in list(_torch_shared.items()):
+        if _record_unused(ptr, entry):
             _torch_shared.pop(ptr, None)  # a storage's release may have dropped it meanwhile
     _pruned_at = max(64, 2 * len(_torch_shared))
     _bytes_since_prune = 0
@@ -268,26 +288,36 @@ _torch_dtypes = {}  # "float32" -> torch.float32
 
 
 def _rebuild_torch(fs, dtype, size, stride, offset, requires_grad, parameter, flat=False):
-    """The torch tensor a message describes, over forksafe tensor `fs`'s memory. `flat`: the
-    tensor is one-dimensional, contiguous and covers the whole memory (its view of the typed
-    memory is the tensor: one torch op, 0.4 us, where view + as_strided take 1.4 us)."""
+    """The torch tensor a message describes, over forksafe tensor `fs`'s memory. While a torch
+    tensor over that memory lives here (the sender's own, or one received before and kept), the
+    new one is made from it with one op (0.9 us); else the memory is imported (DLPack) and
+    typed, and `flat` (one dimension, contiguous, the whole memory) makes the typed view itself
+    the tensor (0.4 us, where an as_strided more takes 1.4 us)."""
     torch = _torch or _torch_module() or __import__("torch")
-    entry = _torch_shared.get(fs.data_ptr())
-    base = entry[1]() if entry is not None else None
-    if base is None or base.numel() != fs.nbytes:
-        base = _torch_view_of(torch, fs)
-        _remember_torch_storage(fs, base)
     torch_dtype = _torch_dtypes.get(dtype)
     if torch_dtype is None:
         torch_dtype = _torch_dtypes[dtype] = getattr(torch, dtype)
-    try:
-        # A view of `base`: it keeps `base` alive, so the next message over this memory finds it.
-        t = base.view(torch_dtype)
-        if not flat:
-            t = t.as_strided(size, stride, offset)
-    except RuntimeError:  # the memory's size is not a multiple of the element's
-        t = torch.empty(0, dtype=torch_dtype)
-        t.set_(_untyped_storage(base), offset, size, stride)
+    ptr = fs.data_ptr()
+    entry = _torch_shared.get(ptr)
+    live = _live_tensor_over(entry, ptr, torch_dtype) if entry is not None else None
+    t = None
+    if live is not None:
+        try:
+            t = live.as_strided(size, stride, offset)
+        except RuntimeError:  # outside the live tensor's storage: import the memory instead
+            t = None
+    if t is None:
+        base = _torch_view_of(torch, fs)
+        try:
+            typed = base.view(torch_dtype)
+            # The record names a tensor that lives as long as the one returned: the typed view
+            # (the as_strided result keeps it as its base) or, when flat, the tensor itself.
+            t = typed if flat else typed.as_strided(size, stride, offset)
+            _remember_torch_storage(fs, typed)
+        except RuntimeError:  # the memory's size is not a multiple of the element's
+            t = torch.empty(0, dtype=torch_dtype)
+            t.set_(_untyped_storage(base), offset, size, stride)
+            _remember_torch_storage(fs, t)
     if parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
