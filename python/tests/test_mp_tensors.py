@@ -369,3 +369,68 @@ def test_a_tensor_over_known_memory_is_made_from_the_live_one_and_checked_first(
     got_p.data[1] = 3.0
     assert p[1].item() == 3.0
     assert reduction.is_shared(moved) and reduction.is_shared(got)
+
+
+def echo_tensors(q, out, n):
+    for _ in range(n):
+        t = q.get(timeout=30)
+        t[1] = t[0] + 1
+        out.put(t)
+        del t
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_round_trip_comes_back_over_the_senders_own_tensor(method):
+    # The reply's memory is the sender's tensor's: the received tensor is made from it (no new
+    # import here), and the child's writes are there.
+    ctx = mp.get_context(method)
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=echo_tensors, args=(q, out, 20))
+    p.start()
+    t = torch.zeros(16, dtype=torch.float64)
+    for i in range(20):
+        t[0] = i
+        q.put(t)
+        back = out.get(timeout=30)
+        assert back._base is t and back.data_ptr() == t.data_ptr()
+        assert t[1].item() == i + 1 and back[1].item() == i + 1
+    assert finish([p]) == [0]
+
+
+def test_threads_sending_and_dropping_tensors_at_once_keep_values_and_records_bounded():
+    # Records are made, used and dropped (a storage's release runs on whichever thread lets go)
+    # by several threads at once: every value arrives intact and no record outlives its memory.
+    import threading
+    errors = []
+    gc.collect()
+    reduction.release_cached_memory()
+    records_before = len(reduction._torch_shared)
+
+    def work(k):
+        try:
+            q = mp.Queue()
+            shared = torch.zeros(64, dtype=torch.int64)
+            for i in range(300):
+                fresh = torch.full((32,), float(i))
+                shared[0] = i
+                q.put(fresh)
+                q.put(shared)
+                got_fresh, got_shared = q.get(timeout=10), q.get(timeout=10)
+                assert got_fresh[5].item() == i and got_shared[0].item() == i
+                got_shared[1] = k
+                assert shared[1].item() == k
+                del fresh, got_fresh, got_shared
+        except BaseException as e:  # reported below, not lost in the thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a sending thread did not finish within 120 s"
+    assert not errors, errors
+    gc.collect()
+    reduction.release_cached_memory()
+    assert len(reduction._torch_shared) <= records_before, (
+        f"{len(reduction._torch_shared) - records_before} records outlived their memory")
