@@ -434,3 +434,35 @@ def test_threads_sending_and_dropping_tensors_at_once_keep_values_and_records_bo
     reduction.release_cached_memory()
     assert len(reduction._torch_shared) <= records_before, (
         f"{len(reduction._torch_shared) - records_before} records outlived their memory")
+
+
+def dense_back(q, out):
+    for _ in range(3):
+        t = q.get(timeout=30)
+        out.put(t.to_dense() if t.is_sparse else t.dequantize())
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_sparse_and_quantized_tensors_cross_as_copies(method):
+    # torch.multiprocessing cannot send these (its reducer asks a sparse tensor for its storage;
+    # a quantized one arrives with an unknown quantizer). Here they take torch's own pickling:
+    # a sparse tensor's indices and values through shared memory, a quantized one's bytes.
+    import torch.multiprocessing  # noqa: F401 (registers torch's reducers: they must not be used)
+    sent = [torch.tensor([[0, 2.0], [3, 0]]).to_sparse(),
+            torch.quantize_per_tensor(torch.tensor([1.0, 2.5]), 0.1, 0, torch.quint8),
+            torch.quantize_per_channel(torch.ones(2, 3), torch.tensor([0.1, 0.2]),
+                                       torch.tensor([0, 1]), 0, torch.qint8)]
+    q = mp.Queue()
+    for t in sent:
+        q.put(t)
+        got = q.get(timeout=5)
+        assert got.layout == t.layout and got.dtype == t.dtype and got.shape == t.shape
+    ctx = mp.get_context(method)
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=dense_back, args=(q, out))
+    p.start()
+    for t in sent:
+        q.put(t)
+        dense = out.get(timeout=30)
+        assert torch.equal(dense, t.to_dense() if t.is_sparse else t.dequantize())
+    assert finish([p]) == [0]

@@ -398,9 +398,14 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
     def _reduce_torch(self, torch, obj):
-        if (obj.device.type != "cpu" or obj.is_sparse or obj.layout != torch.strided
-                or obj.is_quantized):
-            return NotImplemented  # torch's own pickling (CUDA tensors: torch's reductions)
+        # is_cpu, not device.type: 30 ns against 210 per tensor (a Pool chunk holds hundreds).
+        if not obj.is_cpu:
+            return NotImplemented  # torch's reductions (CUDA tensors: torch's CUDA IPC)
+        if obj.layout is not torch.strided or obj.is_quantized:
+            # Sparse and quantized tensors: torch's own pickling (torch.multiprocessing's
+            # reducer cannot send them). A sparse tensor's indices and values come back here
+            # and cross through shared memory; a quantized one's bytes are copied.
+            return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         if obj.is_conj() or obj.is_neg():
             # A lazily conjugated or negated view: its memory alone would give the wrong
             # values. It crosses as a resolved (shared) copy.
