@@ -190,6 +190,17 @@ def _torch_storage_tensor(t):
     return entry[0] if entry is not None else None
 
 
+def _shared_record(t):
+    """The record (fs, weak tensor, nbytes) of CPU torch tensor `t`'s memory, moving `t` into
+    shared memory first when it is not there yet (a message's per-tensor path)."""
+    # The storage's address (_storage_ptr, inlined: this runs once per tensor of every message).
+    entry = _torch_shared.get(t.data_ptr() - t.storage_offset() * t.element_size())
+    if entry is None:
+        _share_torch_(t)
+        entry = _torch_shared.get(_storage_ptr(t))
+    return entry
+
+
 def _share_torch_(t):
     """Moves torch tensor `t`'s storage into forksafe's shared memory, in place (every tensor
     object that is `t` sees it; other views made earlier keep the old memory)."""
@@ -294,9 +305,7 @@ def _rebuild_torch(fs, dtype, size, stride, offset, requires_grad, parameter, fl
     typed, and `flat` (one dimension, contiguous, the whole memory) makes the typed view itself
     the tensor (0.4 us, where an as_strided more takes 1.4 us)."""
     torch = _torch or _torch_module() or __import__("torch")
-    torch_dtype = _torch_dtypes.get(dtype)
-    if torch_dtype is None:
-        torch_dtype = _torch_dtypes[dtype] = getattr(torch, dtype)
+    torch_dtype = _torch_dtype(torch, dtype)
     ptr = fs.data_ptr()
     entry = _torch_shared.get(ptr)
     live = _live_tensor_over(entry, ptr, torch_dtype) if entry is not None else None
@@ -305,7 +314,7 @@ def _rebuild_torch(fs, dtype, size, stride, offset, requires_grad, parameter, fl
         try:
             t = live.as_strided(size, stride, offset)
         except RuntimeError:  # outside the live tensor's storage: import the memory instead
-            t = None
+            pass
     if t is None:
         base = _torch_view_of(torch, fs)
         try:
@@ -318,19 +327,30 @@ def _rebuild_torch(fs, dtype, size, stride, offset, requires_grad, parameter, fl
             t = torch.empty(0, dtype=torch_dtype)
             t.set_(_untyped_storage(base), offset, size, stride)
             _remember_torch_storage(fs, t)
+    return _with_grad(torch, t, requires_grad, parameter)
+
+
+def _rebuild_empty_torch(dtype, size, stride, requires_grad, parameter):
+    torch = _torch or _torch_module() or __import__("torch")
+    t = torch.empty_strided(size, stride, dtype=_torch_dtype(torch, dtype))
+    return _with_grad(torch, t, requires_grad, parameter)
+
+
+def _torch_dtype(torch, name):
+    # torch.float32 for "float32", looked up once per name, not per message.
+    dtype = _torch_dtypes.get(name)
+    if dtype is None:
+        dtype = _torch_dtypes[name] = getattr(torch, name)
+    return dtype
+
+
+def _with_grad(torch, t, requires_grad, parameter):
+    # A rebuilt tensor as it was sent: an nn.Parameter, or requiring grad, or plain.
     if parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
         t.requires_grad_(True)
     return t
-
-
-def _rebuild_empty_torch(dtype, size, stride, requires_grad, parameter):
-    torch = _torch or _torch_module() or __import__("torch")
-    t = torch.empty_strided(size, stride, dtype=getattr(torch, dtype))
-    if parameter:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    return t.requires_grad_(True) if requires_grad else t
 
 
 # ---- the pickler ------------------------------------------------------------------------------
@@ -417,10 +437,7 @@ class _Pickler(pickle.Pickler):
         if obj.numel() == 0:  # no memory to share (its address may be null): the shape crosses
             return _rebuild_empty_torch, (_dtype_name(obj.dtype), tuple(obj.size()), obj.stride(),
                                           obj.requires_grad, type(obj) is torch.nn.Parameter)
-        entry = _torch_shared.get(_storage_ptr(obj))
-        if entry is None:
-            _share_torch_(obj)
-            entry = _torch_shared.get(_storage_ptr(obj))
+        entry = _shared_record(obj)
         meta = _torch_meta(obj, entry[2], type(obj) is torch.nn.Parameter)
         return _load_item, ("P", self._add_tensor(entry[0])) + meta
 
@@ -502,11 +519,7 @@ def _dumps_torch(obj):
     if (not obj.is_cpu or obj.layout is not _torch.strided or obj.is_quantized or obj.is_conj()
             or obj.is_neg() or (obj.requires_grad and not obj.is_leaf) or obj.numel() == 0):
         return None
-    # The storage's address, as _storage_ptr (inlined: this is the per-message path).
-    entry = _torch_shared.get(obj.data_ptr() - obj.storage_offset() * obj.element_size())
-    if entry is None:
-        _share_torch_(obj)
-        entry = _torch_shared.get(_storage_ptr(obj))
+    entry = _shared_record(obj)
     meta = _torch_meta(obj, entry[2], False)
     return _FAST + pickle.dumps(meta, pickle.HIGHEST_PROTOCOL), [entry[0]], []
 
