@@ -23,6 +23,7 @@
 #include <chrono>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -449,6 +450,19 @@ void BindMp(py::module_& parent) {
         return mp::SharedEmpty(shape, ParseDType(dtype));
       },
       py::arg("shape"), py::arg("dtype") = "float32", ReleaseGil());
+  m.def(
+      "shared_copy",
+      [](uintptr_t address, size_t nbytes) {
+        // One call for what a torch storage's move into shared memory needs: a block and the
+        // copy (raw bytes, at memcpy speed, without the GIL).
+        Tensor t = mp::SharedEmpty({static_cast<int64_t>(std::max<size_t>(nbytes, 1))},
+                                   device::DType::kUInt8);
+        if (nbytes > 0) std::memcpy(t.data_ptr(), reinterpret_cast<const void*>(address), nbytes);
+        return t;
+      },
+      py::arg("address"), py::arg("nbytes"), ReleaseGil(),
+      "A new shared uint8 tensor holding a copy of the `nbytes` bytes at `address` (the memory "
+      "of a live object the caller keeps alive: a torch storage).");
   m.def(
       "empty_cache", [] { mp::internal::SharedArena::Get().EmptyCache(); }, ReleaseGil(),
       "Returns the arena's cached, unreferenced memory to the system (file_system segments "
