@@ -232,13 +232,14 @@ def _move_to_shared(torch, t):
     # The block and the copy in one call (raw bytes at memcpy speed; torch's uint8 copy_ took
     # 4x longer), then torch's view of the block.
     fs = _mp.shared_copy(storage.data_ptr(), storage.nbytes())
-    shared = _untyped_storage(_torch_view_of(torch, fs))
+    ptr = fs.data_ptr()
+    shared = _untyped_storage(_torch_view_of(torch, fs, ptr))
     if t.requires_grad:  # set_ on a leaf that requires grad: only outside autograd
         with torch.no_grad():
             t.set_(shared, t.storage_offset(), t.size(), t.stride())
     else:
         t.set_(shared, t.storage_offset(), t.size(), t.stride())
-    return _remember_torch_storage(fs, t)  # t itself: a reply over this memory is made from it
+    return _remember_torch_storage(fs, ptr, t)  # t itself: a reply over it is made from it
 
 
 _pruned_at = 64
@@ -246,15 +247,15 @@ _bytes_since_prune = 0
 _PRUNE_BYTES = 64 << 20
 
 
-def _torch_view_of(torch, fs):
-    """A torch uint8 tensor over forksafe tensor `fs`'s memory (DLPack, no copy). When torch lets
-    go of that memory (its storage dies: the last tensor over it is gone), the record of it is
-    dropped at once (_torch_storage_released), so the block goes back to the arena then, not at
-    a later prune: a receiver that drops a tensor lets its sender reuse the warm block (a large
-    segment from the arena's cache, a pooled block) for the next fresh tensor, instead of new
-    memory and its first-touch page faults."""
+def _torch_view_of(torch, fs, ptr):
+    """A torch uint8 tensor over forksafe tensor `fs`'s memory at `ptr` (its data_ptr(), which
+    the callers have at hand: a call into the binding costs 0.15 us), by DLPack, no copy. When
+    torch lets go of that memory (its storage dies: the last tensor over it is gone), the record
+    of it is dropped at once (_torch_storage_released), so the block goes back to the arena then,
+    not at a later prune: a receiver that drops a tensor lets its sender reuse the warm block (a
+    large segment from the arena's cache, a pooled block) for the next fresh tensor, instead of
+    new memory and its first-touch page faults."""
     global _from_capsule
-    ptr = fs.data_ptr()
     if _from_capsule is None:
         # torch.from_dlpack of a capsule is torch._C._from_dlpack behind a Python wrapper (0.3 us).
         _from_capsule = getattr(torch._C, "_from_dlpack", None) or torch.from_dlpack
@@ -292,8 +293,9 @@ def _live_tensor_over(entry, ptr, torch_dtype):
     return t
 
 
-def _remember_torch_storage(fs, tensor):
-    """Records that torch tensor `tensor`'s storage is forksafe tensor `fs`'s whole memory. The
+def _remember_torch_storage(fs, ptr, tensor):
+    """Records that torch tensor `tensor`'s storage is forksafe tensor `fs`'s whole memory (at
+    `ptr`). The
     record holds `fs` and a weak reference to `tensor`: a later message over the same memory is
     made from `tensor` while it lives (as_strided: no new DLPack import; its metadata may have
     changed, its storage is checked), and a tensor sent again is found by its storage's address.
@@ -302,7 +304,7 @@ def _remember_torch_storage(fs, tensor):
     records whose memory no torch tensor uses any more. Returns the record."""
     global _bytes_since_prune
     nbytes = fs.nbytes
-    entry = _torch_shared[fs.data_ptr()] = (fs, weakref.ref(tensor), nbytes)
+    entry = _torch_shared[ptr] = (fs, weakref.ref(tensor), nbytes)
     _bytes_since_prune += nbytes
     if len(_torch_shared) >= _pruned_at or _bytes_since_prune >= _PRUNE_BYTES:
         _prune_torch_records()
@@ -339,17 +341,17 @@ def _rebuild_torch(fs, dtype, size, stride, offset, requires_grad, parameter, fl
         except RuntimeError:  # outside the live tensor's storage: import the memory instead
             pass
     if t is None:
-        base = _torch_view_of(torch, fs)
+        base = _torch_view_of(torch, fs, ptr)
         try:
             typed = base.view(torch_dtype)
             # The record names a tensor that lives as long as the one returned: the typed view
             # (the as_strided result keeps it as its base) or, when flat, the tensor itself.
             t = typed if flat else typed.as_strided(size, stride, offset)
-            _remember_torch_storage(fs, typed)
+            _remember_torch_storage(fs, ptr, typed)
         except RuntimeError:  # the memory's size is not a multiple of the element's
             t = torch.empty(0, dtype=torch_dtype)
             t.set_(_untyped_storage(base), offset, size, stride)
-            _remember_torch_storage(fs, t)
+            _remember_torch_storage(fs, ptr, t)
     return _with_grad(torch, t, requires_grad, parameter)
 
 
