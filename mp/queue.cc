@@ -69,9 +69,20 @@ struct QueueShared {
   uint32_t max_item_bytes;   // QueueOptions::max_item_bytes (read clamped: see ItemLimit)
   uint64_t last_keys[kKeyWords * kBatchKeys];
   uint32_t batch_users[kMaxBatches];  // by sequence % kMaxBatches: committed messages not yet got
+  uint64_t released;  // the tail when ring pages were last given back (ReleaseConsumedPages)
 };
 
-constexpr uint64_t kQueueMagic = 0x6673717565756534ull;  // "fsqueue4"
+constexpr uint64_t kQueueMagic = 0x6673717565756535ull;  // "fsqueue5"
+
+// Giving back a large ring's pages. A ring's pages are memory once touched, and the putter
+// touches every page of the ring as it goes round, so a ring of 64 MiB that has carried 64 MiB
+// would hold 64 MiB however little it holds now. A ring of kReleaseFrom bytes or more gives the
+// pages that its got messages alone occupied back to the system (a hole in the segment's file,
+// MADV_REMOVE) each time kReleaseEvery more bytes were got: such a ring costs about the memory of
+// what it holds plus kReleaseEvery, and a put into a given-back page takes a zero page (one page
+// fault per 4 KiB of traffic). Smaller rings (QueueOptions' 1 MiB default) keep their pages.
+constexpr uint64_t kReleaseFrom = uint64_t{8} << 20;
+constexpr uint64_t kReleaseEvery = uint64_t{1} << 20;
 
 }  // namespace internal
 
@@ -102,6 +113,38 @@ namespace {
 uint64_t CarrierOf(int seg_fd) {
   struct stat st;
   return fstat(seg_fd, &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+// Gives back the pages of [begin, end) that lie wholly inside it (their bytes are free).
+void ReleasePages(char* begin, char* end) {
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t first = (reinterpret_cast<uintptr_t>(begin) + page - 1) & ~(page - 1);
+  const uintptr_t last = reinterpret_cast<uintptr_t>(end) & ~(page - 1);
+  // A failure leaves the pages as they were: memory, never a change to what the ring holds.
+  if (last > first) (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_REMOVE);
+}
+
+// Under the queue's lock, after a get moved the tail: gives back the pages that the bytes got
+// since the last release occupied (internal::kReleaseFrom above). Bytes got are free unless the
+// putter has gone round the ring into them again (head > their position + cap): those are left.
+// Edge pages shared with bytes outside the range stay until a later release covers them whole.
+void ReleaseConsumedPages(internal::QueueShared* h, char* ring, uint64_t cap) {
+  if (cap < internal::kReleaseFrom) return;
+  const uint64_t tail = h->tail;
+  uint64_t from = h->released;
+  if (from > tail || tail - from > cap) from = tail > cap ? tail - cap : 0;  // unset or corrupt
+  if (tail - from < internal::kReleaseEvery) return;
+  h->released = tail;
+  if (h->head > cap) from = std::max(from, h->head - cap);
+  if (from >= tail) return;
+  const uint64_t a = from % cap;
+  const uint64_t b = tail % cap;
+  if (a < b) {
+    ReleasePages(ring + a, ring + b);
+  } else {  // the range wraps (or is the whole ring)
+    ReleasePages(ring + a, ring + cap);
+    ReleasePages(ring, ring + b);
+  }
 }
 
 // The bounds of QueueOptions::ring_bytes (mp/queue.h).
@@ -404,6 +447,7 @@ Queue::Queue(const QueueOptions& options) : state_(std::make_shared<State>()) {
   h->taken_seq = 0;
   h->last_batch = 0;
   h->last_batch_keys = 0;
+  h->released = 0;
   h->magic = internal::kQueueMagic;
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
@@ -607,6 +651,7 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
   }
   h->tail += rec.span;  // commit
   __atomic_sub_fetch(&h->count, 1, __ATOMIC_RELEASE);
+  ReleaseConsumedPages(h, s.ring(), cap);
   const bool pass_baton = h->count > 0 && __atomic_load_n(&h->get_sleepers, __ATOMIC_ACQUIRE) > 0;
   lock.Release();
   if (pass_baton) RingBell(s.bell_w.get());

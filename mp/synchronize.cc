@@ -9,6 +9,7 @@
 #include <climits>
 #include <ctime>
 #include <new>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -103,12 +104,35 @@ void LockCore::InitState(LockState* state, bool recursive) {
   state->mu.Init(recursive);
 }
 
+// Whether thread `tid` is a live thread of this process.
+bool IsThreadOfThisProcess(int32_t tid) {
+  return tid > 0 && syscall(SYS_tgkill, getpid(), tid, 0) == 0;
+}
+
+// The lock's segment as its LockCore copies share it. When the last of them goes while a thread
+// of this process holds the lock (a Python program's `del lock` inside `with lock:`, a handle
+// dropped before release()), the pages stay mapped: the holder's robust-futex list still links
+// through the mutex in them, and the next robust mutex that thread locks or unlocks would write
+// into the unmapped page (a crash far from the cause). Other processes holding the lock keep it
+// held, as with multiprocessing's Lock. The leak is one page per such lock.
+std::shared_ptr<SharedSegment> GuardAgainstUnmapWhileHeld(std::shared_ptr<SharedSegment> segment) {
+  SharedSegment* raw = segment.get();
+  return std::shared_ptr<SharedSegment>(raw, [segment =
+                                                  std::move(segment)](SharedSegment* p) mutable {
+    const auto* state = static_cast<const LockState*>(p->data());
+    if (state != nullptr && IsThreadOfThisProcess(state->owner.load(std::memory_order_acquire))) {
+      p->NeverUnmap();
+    }
+    segment.reset();
+  });
+}
+
 LockCore LockCore::Create(bool recursive) {
   auto segment = std::make_shared<SharedSegment>(
       SharedSegment::Create(sizeof(LockState), recursive ? "rlock" : "lock"));
   InitState(static_cast<LockState*>(segment->data()), recursive);
   LockCore core;
-  core.segment_ = std::move(segment);
+  core.segment_ = GuardAgainstUnmapWhileHeld(std::move(segment));
   core.owner_died_ = std::make_shared<std::atomic<bool>>(false);
   return core;
 }
@@ -121,7 +145,7 @@ LockCore LockCore::Adopt(std::shared_ptr<SharedSegment> segment) {
   const uint32_t kind = static_cast<const LockState*>(segment->data())->kind;
   if (kind != kLockKind && kind != kRLockKind) ThrowWrongKind("Lock or RLock");
   LockCore core;
-  core.segment_ = std::move(segment);
+  core.segment_ = GuardAgainstUnmapWhileHeld(std::move(segment));
   core.owner_died_ = std::make_shared<std::atomic<bool>>(false);
   return core;
 }
@@ -133,6 +157,14 @@ bool LockCore::HeldByCaller() const {
 bool LockCore::Acquire(bool block, Timeout timeout, const char* what) const {
   const Deadline deadline = DeadlineAfter(timeout, what);
   LockState* s = state();
+  if (block && deadline.has_value() && s->kind == kLockKind &&
+      s->owner.load(std::memory_order_acquire) == CurrentThreadId()) {
+    // The caller holds this Lock: nobody else can release it (only its holder may), so a timed
+    // acquire ends at its deadline, false, as Python's does; an untimed one is the mutex's
+    // kFailedPrecondition below, not a deadlock.
+    std::this_thread::sleep_until(*deadline);
+    return false;
+  }
   const LockResult r = block ? s->mu.Lock(deadline) : s->mu.TryLock();
   if (r == LockResult::kTimedOut) return false;
   const int32_t me = CurrentThreadId();

@@ -43,7 +43,8 @@
 //   - Unlike Python's multiprocessing.Lock (a semaphore), a Lock can only be released by the
 //     thread that acquired it, and acquiring a Lock the calling thread already holds throws
 //     kFailedPrecondition ("use RLock") instead of deadlocking. acquire(false) in that case
-//     returns false, as in Python.
+//     returns false, and acquire(true, timeout) returns false when the timeout ends, as in
+//     Python.
 //   - Like any condition variable, Condition::wait() may return true without a matching notify()
 //     (another waiter's notification can wake it too); check the state you wait for, or use
 //     wait_for() with a predicate.

@@ -21,6 +21,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 
 #include <cstdint>
 #include <cstring>
@@ -55,7 +57,71 @@ using runtime::ErrorCode;
 using ReleaseGil = py::call_guard<py::gil_scoped_release>;
 using Seconds = std::optional<double>;
 
-mp::Timeout ToTimeout(Seconds s) { return s.has_value() ? mp::Timeout(*s) : mp::Timeout(); }
+// A negative timeout is 0, as in multiprocessing (a `deadline - time.monotonic()` that ran out
+// gives queue.Empty or False, not an error); NaN stays an error (mp/timeout.h).
+mp::Timeout ToTimeout(Seconds s) {
+  if (!s.has_value()) return mp::Timeout();
+  return mp::Timeout(*s < 0 ? 0.0 : *s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Waits that Ctrl-C ends. Python runs a signal's handler only when the interpreter has control,
+// so a wait in C++ with the GIL released would hold KeyboardInterrupt (or a SIGALRM or SIGTERM
+// handler's exception) until the wait ended: never, for a wait without a timeout. A blocking
+// call is therefore a series of waits of at most kSignalSlice; between two, with the GIL,
+// Python's handlers run (PyErr_CheckSignals) and an exception from one ends the call, as in
+// multiprocessing. A wait that the item ends early costs nothing more; a long one wakes 20 times
+// a second.
+constexpr double kSignalSlice = 0.05;
+
+// Calls attempt(slice) with the GIL released until it returns true (then true) or `timeout`
+// (None: forever; NaN: attempt's own error) has passed (then false).
+template <class Attempt>
+bool WaitInterruptibly(Seconds timeout, Attempt&& attempt) {
+  if (timeout.has_value() && std::isnan(*timeout)) {
+    py::gil_scoped_release nogil;
+    return attempt(ToTimeout(timeout));  // says what was wrong
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const double total = timeout.has_value() ? std::max(*timeout, 0.0) : 0.0;
+  for (;;) {
+    double slice = kSignalSlice;
+    if (timeout.has_value()) {
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      slice = std::clamp(total - elapsed, 0.0, kSignalSlice);
+    }
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = attempt(mp::Timeout(slice));
+    }
+    if (done) return true;
+    if (timeout.has_value() &&
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >= total) {
+      return false;
+    }
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
+// acquire(block, timeout) of a lock or semaphore: a blocking one waits in slices.
+template <class L>
+bool Acquire(L& lock, bool block, Seconds timeout) {
+  if (!block) {
+    py::gil_scoped_release nogil;
+    return lock.acquire(false, mp::Timeout());
+  }
+  return WaitInterruptibly(timeout, [&](const mp::Timeout& t) { return lock.acquire(true, t); });
+}
+
+// "within 2.5 s" / "" (no timeout) for the messages of waits that ran out.
+std::string Within(Seconds timeout) {
+  if (!timeout.has_value()) return std::string();
+  char text[64];
+  std::snprintf(text, sizeof(text), " within %g s", std::max(*timeout, 0.0));
+  return text;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Messages: (pickle bytes, tensors, descriptors).
@@ -167,14 +233,30 @@ class PyQueue {
   PyQueue(int64_t maxsize, size_t ring_bytes) : q_(mp::QueueOptions{maxsize, ring_bytes}) {}
   explicit PyQueue(mp::JoinableQueue q) : q_(std::move(q)) {}
 
+  // Called with the GIL. A blocking put waits for room in slices (WaitInterruptibly).
   void Put(const std::string& pickle, const std::vector<Tensor>& tensors,
            const std::vector<int>& fds, bool block, Seconds timeout) {
-    try {
-      mp::internal::InFlightScope in_flight(q_.CarrierId());
-      q_.PutMessage(EncodePayload(pickle, tensors, fds), block, ToTimeout(timeout));
-    } catch (const mp::Full& e) {
-      RaiseQueueError("Full", e.message());
+    std::string full;
+    auto attempt = [&](const mp::Timeout& t) {
+      try {
+        mp::internal::InFlightScope in_flight(q_.CarrierId());
+        q_.PutMessage(EncodePayload(pickle, tensors, fds), block, t);
+        return true;
+      } catch (const mp::Full& e) {
+        full = e.message();
+        return false;
+      }
+    };
+    bool done;
+    if (!block) {
+      py::gil_scoped_release nogil;
+      done = attempt(mp::Timeout());
+    } else {
+      done = WaitInterruptibly(timeout, attempt);
     }
+    if (!done)
+      RaiseQueueError("Full",
+                      block ? "Queue.put: no room" + Within(timeout) + " (" + full + ")" : full);
   }
 
   // A blocking get that finds the queue empty spins inside the C++ get, with the GIL released
@@ -182,16 +264,29 @@ class PyQueue {
   // the recent wait, 50 to 400 us, or a nap until shortly before a later item is expected). It
   // learns a Python peer's longer turn by itself, which a fixed 200 us poll here used to cover
   // (bench/peers, workload 1: 162 -> 56 us).
+  // A blocking get waits in slices (WaitInterruptibly), so that Ctrl-C ends it.
   py::tuple Get(bool block, Seconds timeout) {
     Payload p;
-    {
-      py::gil_scoped_release nogil;
+    std::string empty;
+    auto attempt = [&](const mp::Timeout& t) {
       try {
-        mp::Message m = q_.GetMessage(block, ToTimeout(timeout));
+        mp::Message m = q_.GetMessage(block, t);
         p = DecodePayload(m);
+        return true;
       } catch (const mp::Empty& e) {
-        RaiseQueueError("Empty", e.message());
+        empty = e.message();
+        return false;
       }
+    };
+    bool got;
+    if (!block) {
+      py::gil_scoped_release nogil;
+      got = attempt(mp::Timeout());
+    } else {
+      got = WaitInterruptibly(timeout, attempt);
+    }
+    if (!got) {
+      RaiseQueueError("Empty", block ? "Queue.get: nothing arrived" + Within(timeout) : empty);
     }
     return ToPython(std::move(p));
   }
@@ -225,11 +320,18 @@ class PyConnection {
             const std::vector<int>& fds) {
     c_.SendMessage(EncodePayload(pickle, tensors, fds));
   }
+  // Waits for the message's start in slices (Ctrl-C ends it), then reads it whole.
   py::tuple Recv(Seconds timeout) {
+    // (A write-only end: RecvMessage says so; it would never poll readable.)
+    if (c_.readable() &&
+        !WaitInterruptibly(timeout, [&](const mp::Timeout& t) { return c_.poll(t); })) {
+      throw Error(ErrorCode::kDeadlineExceeded,
+                  "Connection.recv: nothing arrived" + Within(timeout));
+    }
     Payload p;
     {
       py::gil_scoped_release nogil;
-      mp::Message m = c_.RecvMessage(ToTimeout(timeout));
+      mp::Message m = c_.RecvMessage(mp::Timeout());
       p = DecodePayload(m);
     }
     return ToPython(std::move(p));
@@ -298,7 +400,7 @@ void BindMp(py::module_& parent) {
       .def(py::init<int64_t, size_t>(), py::arg("maxsize") = 0,
            py::arg("ring_bytes") = size_t{1} << 20)
       .def("put", &PyQueue::Put, py::arg("pickle"), py::arg("tensors"), py::arg("fds"),
-           py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+           py::arg("block") = true, py::arg("timeout") = py::none())
       .def("get", &PyQueue::Get, py::arg("block") = true, py::arg("timeout") = py::none())
       .def("qsize", [](const PyQueue& q) { return q.queue().qsize(); })
       .def("empty", [](const PyQueue& q) { return q.queue().empty(); })
@@ -309,8 +411,12 @@ void BindMp(py::module_& parent) {
       .def(
           "task_done", [](PyQueue& q) { q.queue().task_done(); }, ReleaseGil())
       .def(
-          "join", [](PyQueue& q, Seconds timeout) { return q.queue().join(ToTimeout(timeout)); },
-          py::arg("timeout") = py::none(), ReleaseGil());
+          "join",
+          [](PyQueue& q, Seconds timeout) {
+            return WaitInterruptibly(timeout,
+                                     [&](const mp::Timeout& t) { return q.queue().join(t); });
+          },
+          py::arg("timeout") = py::none());
   AddCodec(queue);
 
   // ---- Connection and Pipe ------------------------------------------------------------------
@@ -323,6 +429,10 @@ void BindMp(py::module_& parent) {
           ReleaseGil())
       .def("recv_bytes",
            [](PyConnection& c) {
+             if (c.conn().readable()) {
+               WaitInterruptibly(std::nullopt,
+                                 [&](const mp::Timeout& t) { return c.conn().poll(t); });
+             }
              std::string data;
              {
                py::gil_scoped_release nogil;
@@ -331,8 +441,11 @@ void BindMp(py::module_& parent) {
              return py::bytes(data);
            })
       .def(
-          "poll", [](const PyConnection& c, Seconds t) { return c.conn().poll(ToTimeout(t)); },
-          py::arg("timeout") = 0.0, ReleaseGil())
+          "poll",
+          [](const PyConnection& c, Seconds t) {
+            return WaitInterruptibly(t, [&](const mp::Timeout& s) { return c.conn().poll(s); });
+          },
+          py::arg("timeout") = 0.0)
       .def("close", [](PyConnection& c) { c.conn().close(); })
       .def_property_readonly("closed", [](const PyConnection& c) { return c.conn().closed(); })
       .def_property_readonly("readable", [](const PyConnection& c) { return c.conn().readable(); })
@@ -352,8 +465,14 @@ void BindMp(py::module_& parent) {
   py::class_<mp::Lock> lock(m, "Lock");
   lock.def(py::init<>())
       .def(
-          "acquire", [](mp::Lock& l, bool b, Seconds t) { return l.acquire(b, ToTimeout(t)); },
-          py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+          "acquire",
+          [](mp::Lock& l, bool b, Seconds t) {
+            if (!t.has_value() && b && mp::internal::LockAccess::CoreOf(l).HeldByCaller()) {
+              return l.acquire(true, mp::Timeout());  // the holder's untimed acquire: the error
+            }
+            return Acquire(l, b, t);
+          },
+          py::arg("block") = true, py::arg("timeout") = py::none())
       .def("release", &mp::Lock::release)
       .def("previous_owner_died", &mp::Lock::previous_owner_died);
   AddCodec(lock);
@@ -361,8 +480,8 @@ void BindMp(py::module_& parent) {
   py::class_<mp::RLock> rlock(m, "RLock");
   rlock.def(py::init<>())
       .def(
-          "acquire", [](mp::RLock& l, bool b, Seconds t) { return l.acquire(b, ToTimeout(t)); },
-          py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+          "acquire", [](mp::RLock& l, bool b, Seconds t) { return Acquire(l, b, t); },
+          py::arg("block") = true, py::arg("timeout") = py::none())
       .def("release", &mp::RLock::release)
       .def("previous_owner_died", &mp::RLock::previous_owner_died);
   AddCodec(rlock);
@@ -370,8 +489,8 @@ void BindMp(py::module_& parent) {
   py::class_<mp::Semaphore> sem(m, "Semaphore");
   sem.def(py::init<int>(), py::arg("value") = 1)
       .def(
-          "acquire", [](mp::Semaphore& s, bool b, Seconds t) { return s.acquire(b, ToTimeout(t)); },
-          py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+          "acquire", [](mp::Semaphore& s, bool b, Seconds t) { return Acquire(s, b, t); },
+          py::arg("block") = true, py::arg("timeout") = py::none())
       .def("release", &mp::Semaphore::release, py::arg("n") = 1)
       .def("get_value", &mp::Semaphore::get_value);
   AddCodec(sem);
@@ -384,8 +503,8 @@ void BindMp(py::module_& parent) {
   cond.def(py::init<mp::Lock>(), py::arg("lock"))
       .def(py::init<mp::RLock>(), py::arg("lock"))
       .def(
-          "acquire", [](mp::Condition& c, bool b, Seconds t) { return c.acquire(b, ToTimeout(t)); },
-          py::arg("block") = true, py::arg("timeout") = py::none(), ReleaseGil())
+          "acquire", [](mp::Condition& c, bool b, Seconds t) { return Acquire(c, b, t); },
+          py::arg("block") = true, py::arg("timeout") = py::none())
       .def("release", &mp::Condition::release)
       .def(
           "wait", [](mp::Condition& c, Seconds t) { return c.wait(ToTimeout(t)); },
@@ -400,8 +519,11 @@ void BindMp(py::module_& parent) {
       .def("set", &mp::Event::set, ReleaseGil())
       .def("clear", &mp::Event::clear, ReleaseGil())
       .def(
-          "wait", [](mp::Event& e, Seconds t) { return e.wait(ToTimeout(t)); },
-          py::arg("timeout") = py::none(), ReleaseGil());
+          "wait",
+          [](mp::Event& e, Seconds t) {
+            return WaitInterruptibly(t, [&](const mp::Timeout& s) { return e.wait(s); });
+          },
+          py::arg("timeout") = py::none());
   AddCodec(event);
 
   py::class_<mp::Barrier> barrier(m, "Barrier");

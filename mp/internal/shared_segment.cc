@@ -41,20 +41,22 @@ InFlightScope::~InFlightScope() {
 InFlightScope* InFlightScope::Current() { return t_in_flight; }
 
 SharedSegment::~SharedSegment() {
-  if (data_ != nullptr) munmap(data_, size_);
+  if (data_ != nullptr && !keep_mapped_) munmap(data_, size_);
 }
 
 SharedSegment::SharedSegment(SharedSegment&& o) noexcept
     : fd_(std::move(o.fd_)),
       data_(std::exchange(o.data_, nullptr)),
-      size_(std::exchange(o.size_, 0)) {}
+      size_(std::exchange(o.size_, 0)),
+      keep_mapped_(std::exchange(o.keep_mapped_, false)) {}
 
 SharedSegment& SharedSegment::operator=(SharedSegment&& o) noexcept {
   if (this != &o) {
-    if (data_ != nullptr) munmap(data_, size_);
+    if (data_ != nullptr && !keep_mapped_) munmap(data_, size_);
     fd_ = std::move(o.fd_);
     data_ = std::exchange(o.data_, nullptr);
     size_ = std::exchange(o.size_, 0);
+    keep_mapped_ = std::exchange(o.keep_mapped_, false);
   }
   return *this;
 }

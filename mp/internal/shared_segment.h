@@ -72,6 +72,10 @@ class SharedSegment {
   void* data() const { return data_; }
   size_t size() const { return size_; }
   int fd() const { return fd_.get(); }
+  /// Leaves the pages mapped when this object goes (the descriptor still closes): for memory
+  /// that a thread's robust-futex list may still point into (a robust mutex it holds, whose
+  /// next lock or unlock elsewhere would touch the unmapped page and crash).
+  void NeverUnmap() { keep_mapped_ = true; }
   explicit operator bool() const { return data_ != nullptr; }
 
   template <class Archive>
@@ -89,6 +93,7 @@ class SharedSegment {
   FileDescriptor fd_;
   void* data_ = nullptr;
   size_t size_ = 0;
+  bool keep_mapped_ = false;
 };
 
 /// A shared, reference-free handle to a typed object in its own segment. Copies share it.

@@ -172,11 +172,27 @@ def test_queue_empty_full_and_sizes():
         q.get_nowait()
     with pytest.raises(queue.Empty):
         q.get(timeout=0.05)
-    with pytest.raises(ValueError):
+    with pytest.raises(queue.Empty):  # a negative timeout is 0, as in multiprocessing
         q.get(timeout=-1)
     q.close()
     with pytest.raises(forksafe.ClosedError):
         q.put(1)
+
+
+def test_an_unbounded_queue_takes_its_whole_input_before_any_get():
+    # multiprocessing's unbounded queue never blocks a put: a program may put its whole input
+    # first. 200,000 small items and 100 lists of 200 KiB (a 1 MiB ring held 18,761 and 4).
+    # The timeouts turn a regression into a failure, not a hang.
+    q = mp.Queue()
+    for i in range(200_000):
+        q.put(i, True, 30)
+    big = [0.5] * 25_000
+    for _ in range(100):
+        q.put(big, True, 30)
+    assert q.qsize() == 200_100
+    assert [q.get(True, 30) for _ in range(200_000)] == list(range(200_000))
+    assert all(q.get(True, 30) == big for _ in range(100))
+    assert q.empty()
 
 
 def test_an_item_put_just_before_exit_is_not_lost():
@@ -281,6 +297,101 @@ def test_a_lock_whose_holder_died_is_recovered():
     lock.release()
 
 
+def _blocking_call(name):
+    # One blocking call of each kind that waits in C++ with the GIL released, set up to wait
+    # forever (no timeout): what Ctrl-C must end.
+    if name == "queue.get":
+        return mp.Queue().get
+    if name == "queue.put (full)":
+        q = mp.Queue(maxsize=1)
+        q.put(0)
+        return lambda: q.put(1)
+    if name == "joinablequeue.join":
+        q = mp.JoinableQueue()
+        q.put(0)
+        return q.join
+    reader, _writer = mp.Pipe(duplex=False)
+    if name == "connection.recv":
+        return lambda: (reader.recv(), _writer)
+    if name == "connection.recv_bytes":
+        return lambda: (reader.recv_bytes(), _writer)
+    if name == "connection.poll(None)":
+        return lambda: (reader.poll(None), _writer)
+    if name == "semaphore.acquire":
+        return mp.Semaphore(0).acquire
+    if name == "event.wait":
+        return mp.Event().wait
+    if name == "lock.acquire (held by another thread)":
+        lock, hold = mp.Lock(), threading.Event()
+        holder = threading.Thread(target=lambda: (lock.acquire(), hold.wait(60), lock.release()),
+                                  daemon=True)
+        holder.start()
+        while not hold.is_set() and lock.acquire(False):  # until the holder has it
+            lock.release()
+            time.sleep(0.01)
+        return lambda: (lock.acquire(), hold)
+    raise AssertionError(name)
+
+
+def interrupt_blocking_call(name, q):
+    call = _blocking_call(name)
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    try:
+        call()
+        q.put((name, "returned"))
+    except KeyboardInterrupt:
+        q.put((name, time.monotonic() - started))
+
+
+@pytest.mark.parametrize("name", [
+    "queue.get", "queue.put (full)", "joinablequeue.join", "connection.recv",
+    "connection.recv_bytes", "connection.poll(None)", "semaphore.acquire", "event.wait",
+    "lock.acquire (held by another thread)"])
+def test_ctrl_c_ends_a_blocking_call(name):
+    # As with multiprocessing, SIGINT during a blocking call raises KeyboardInterrupt at once
+    # (the wait used to hold it until it ended: never). In a child, so that a call Ctrl-C cannot
+    # end is a child killed after 30 s, not a stuck suite.
+    q = mp.Queue()
+    p = mp.Process(target=interrupt_blocking_call, args=(name, q))
+    p.start()
+    assert finish([p], timeout=30) == [0]
+    got, waited = q.get(timeout=10)
+    assert got == name and waited != "returned"
+    assert 0.15 <= waited < 5.0, f"{name}: KeyboardInterrupt after {waited:.2f} s"
+
+
+def drop_held_locks_then_use_others(q):
+    for _ in range(5):
+        lock = mp.Lock()
+        lock.acquire()
+        del lock  # its last handle goes while this thread holds it
+        rlock = mp.RLock()
+        rlock.acquire()
+        del rlock
+        fresh = [mp.Event() for _ in range(3)]  # new mappings take the freed addresses
+        del fresh
+    other = mp.Lock()
+    for _ in range(100):
+        with other:
+            pass
+    v = mp.Value("i", 0)
+    with v.get_lock():
+        v.value += 1
+    q.put(v.value)
+
+
+def test_dropping_a_held_lock_leaves_the_threads_other_locks_working():
+    # The holder's robust-futex list links through a held lock's mutex: unmapping it made the
+    # thread's next lock write into the freed page (a segfault in an unrelated Queue.put). In a
+    # child: a crash is its exit code.
+    q = mp.Queue()
+    p = mp.Process(target=drop_held_locks_then_use_others, args=(q,))
+    p.start()
+    assert finish([p]) == [0]
+    assert q.get(timeout=10) == 1
+
+
 def test_rlock_recursion_and_release_errors():
     r = mp.RLock()
     assert r.acquire() and r.acquire(block=False)
@@ -291,10 +402,14 @@ def test_rlock_recursion_and_release_errors():
     lock = mp.Lock()
     assert lock.acquire()
     assert not lock.acquire(block=False)
-    # A blocking acquire by the holder would wait for itself (multiprocessing deadlocks there):
-    # forksafe says so instead.
+    # An untimed acquire by the holder would wait for itself forever (multiprocessing deadlocks
+    # there): forksafe says so instead. A timed one ends at its timeout, False, as in
+    # multiprocessing.
     with pytest.raises(forksafe.FailedPreconditionError, match="use RLock"):
-        lock.acquire(timeout=0.01)
+        lock.acquire()
+    started = time.monotonic()
+    assert lock.acquire(timeout=0.2) is False
+    assert time.monotonic() - started >= 0.19
     lock.release()
 
 
@@ -431,8 +546,12 @@ def test_bad_arguments_of_the_primitives_are_clear_errors():
         mp.Semaphore(-1)
     with pytest.raises(ValueError, match="negative size"):
         mp.RawArray("i", -1)
-    with pytest.raises(ValueError):
-        mp.Queue().get(timeout=-1)
+    with pytest.raises(ValueError, match="NaN|nan|finite"):
+        mp.Queue().get(timeout=float("nan"))
+    # Negative timeouts are 0, as in multiprocessing (a deadline loop's last, overdue wait).
+    lock, event, (a, b) = mp.Lock(), mp.Event(), mp.Pipe()
+    assert lock.acquire(True, -1) is True and lock.acquire(True, -1) is False
+    assert event.wait(-1) is False and a.poll(-1) is False
     from forksafe.multiprocessing.context import _DefaultContext
     fresh = _DefaultContext()  # the module's own default stays untouched
     assert fresh.get_start_method(allow_none=True) is None

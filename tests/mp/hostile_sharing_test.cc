@@ -48,6 +48,7 @@
 #include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
 #include "tests/support/child_process.h"
+#include "tests/support/resident_memory.h"
 
 namespace forksafe::mp {
 namespace {
@@ -55,6 +56,7 @@ namespace {
 using device::Tensor;
 using runtime::Error;
 using runtime::ErrorCode;
+using testing::RssShmemKb;
 using namespace std::chrono_literals;
 
 // Whether /dev/shm entry `name` is not known to come from another pid namespace (its segment
@@ -670,19 +672,6 @@ int KillCreatorsAtRandom() {
 }
 
 // ---- SparseSegments: a peer's huge sparse memfd is not made resident by mapping it ----
-
-// Kilobytes of shared memory this process has resident (/proc/self/status, RssShmem).
-long RssShmemKb() {
-  FILE* f = std::fopen("/proc/self/status", "r");
-  if (f == nullptr) return -1;
-  char line[256];
-  long kb = -1;
-  while (std::fgets(line, sizeof(line), f) != nullptr) {
-    if (std::sscanf(line, "RssShmem: %ld kB", &kb) == 1) break;
-  }
-  std::fclose(f);
-  return kb;
-}
 
 // A receiver (a spawned process: nothing of the segment is mapped there yet) imports a block of
 // the segment and reports how much its resident shared memory grew.

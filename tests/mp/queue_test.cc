@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <set>
 #include <string>
 #include <thread>
@@ -22,12 +23,14 @@
 #include "forksafe/mp/process.h"
 #include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
+#include "tests/support/resident_memory.h"
 
 namespace forksafe::mp {
 namespace {
 
 using runtime::Error;
 using runtime::ErrorCode;
+using testing::RssShmemKb;
 using namespace std::chrono_literals;
 
 void Produce(Queue q, int producer, int n) {
@@ -396,6 +399,47 @@ TEST(QueueFaultTest, BadInputAndClosedHandles) {
   EXPECT_THROW(empty_handle.put(1), Error);
   q.join_thread();
   q.cancel_join_thread();
+}
+
+// A large ring costs the memory of what it holds, not its size: it gives the pages of got
+// messages back (mp/queue.cc, kReleaseFrom). 12 MiB of 1 KiB items go into a 32 MiB ring, and
+// out again; then 40 MiB more pass through it one at a time (more than once round the ring).
+TEST(QueueTest, ALargeRingGivesBackThePagesOfGotMessages) {
+  QueueOptions o;
+  o.ring_bytes = size_t{32} << 20;
+  Queue q(o);
+  const std::string item(1024, 'x');
+  const long before = RssShmemKb();
+  ASSERT_GE(before, 0) << "/proc/self/status has no RssShmem";
+  for (int i = 0; i < 12 * 1024; ++i) q.put(item, true, 10.0);
+  const long full = RssShmemKb();
+  EXPECT_GE(full - before, 11 * 1024) << "12 MiB of items in the ring should be resident";
+  for (int i = 0; i < 12 * 1024; ++i) ASSERT_EQ(q.get<std::string>(true, 10.0), item);
+  const long drained = RssShmemKb();
+  EXPECT_LE(drained - before, 3 * 1024) << "got messages' pages were not given back";
+  for (int i = 0; i < 40 * 1024; ++i) {
+    q.put(item, true, 10.0);
+    ASSERT_EQ(q.get<std::string>(true, 10.0), item);
+  }
+  EXPECT_LE(RssShmemKb() - before, 3 * 1024) << "a ring that went round stays resident";
+  EXPECT_TRUE(q.empty());
+}
+
+// A ring under 8 MiB (the default's 1 MiB) keeps its pages: nothing is given back, and each
+// message moves without a page fault.
+TEST(QueueTest, ASmallRingKeepsItsPages) {
+  Queue q;
+  const std::string item(1024, 'x');
+  for (int i = 0; i < 2048; ++i) {  // twice round the 1 MiB ring
+    q.put(item, true, 10.0);
+    ASSERT_EQ(q.get<std::string>(true, 10.0), item);
+  }
+  const long warm = RssShmemKb();
+  for (int i = 0; i < 2048; ++i) {
+    q.put(item, true, 10.0);
+    ASSERT_EQ(q.get<std::string>(true, 10.0), item);
+  }
+  EXPECT_LE(std::abs(RssShmemKb() - warm), 64) << "a small ring's pages came and went";
 }
 
 // Full says which limit was hit: maxsize (room by count) or the ring's bytes.

@@ -6,6 +6,7 @@
 #include "forksafe/mp/synchronize.h"
 
 #include <signal.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -22,6 +24,7 @@
 #include "forksafe/runtime/error.h"
 #include "gtest/gtest.h"
 #include "tests/support/child_process.h"
+#include "tests/support/leak_check.h"
 
 namespace forksafe::mp {
 namespace {
@@ -106,6 +109,46 @@ TEST(LockTest, AcquireWithTimeoutReturnsFalseInTime) {
   lock.release();
 }
 
+// A Lock (or RLock) whose last handle goes while this thread holds it: the holder's robust-futex
+// list still links through its mutex, so its pages must stay mapped; the next robust mutex the
+// thread takes (another lock, a Value's, a Semaphore's inner one) used to write into the unmapped
+// page and crash. In a child: a crash there is a failed exit code, not a dead test binary.
+TEST(LockTest, DroppingAHeldLockLeavesTheThreadsOtherLocksWorking) {
+  const ChildResult r = RunInChild(
+      [] {
+        forksafe::testing::ExpectLeak(
+            "a lock dropped while held keeps its page mapped (mp/synchronize.cc)");
+        // Where a dropped lock's page was unmapped, the next mapping of a page takes its
+        // address: an inaccessible page there turns the old bug into a certain crash.
+        std::vector<void*> fences;
+        auto fence = [&fences] {
+          fences.push_back(mmap(nullptr, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+        };
+        for (int i = 0; i < 3; ++i) {
+          auto held = std::make_unique<Lock>();
+          if (!held->acquire()) return 1;
+          held.reset();  // dropped while held
+          fence();
+          auto rheld = std::make_unique<RLock>();
+          if (!rheld->acquire() || !rheld->acquire()) return 2;
+          rheld.reset();
+          fence();
+        }
+        Lock other;
+        Semaphore sem(1);
+        for (int i = 0; i < 100; ++i) {
+          if (!other.acquire(true, 1s)) return 3;
+          other.release();
+          if (!sem.acquire(true, 1s)) return 4;
+          sem.release();
+        }
+        for (void* f : fences) munmap(f, 4096);
+        return 0;
+      },
+      kChildTimeout);
+  EXPECT_TRUE(r.ok()) << r.Describe();
+}
+
 TEST(LockTest, WorksWithStdLockGuardAndUniqueLock) {
   Lock lock;
   {
@@ -170,12 +213,17 @@ TEST(LockTest, OwnerKilledWhileHoldingIsRecovered) {
   }));
 }
 
-TEST(LockTest, ReleaseOrReacquireByNonOwnerIsFailedPrecondition) {
+TEST(LockTest, ReleaseByNonOwnerAndUntimedReacquireAreFailedPrecondition) {
   Lock lock;
   EXPECT_EQ(CodeOf([&] { lock.release(); }), ErrorCode::kFailedPrecondition);
   ASSERT_TRUE(lock.acquire());
   EXPECT_FALSE(lock.acquire(false)) << "non-blocking re-acquire by the owner returns false";
-  EXPECT_EQ(CodeOf([&] { lock.acquire(true, 1s); }), ErrorCode::kFailedPrecondition);
+  // A timed re-acquire by the owner ends at its timeout, false (as Python's); an untimed one
+  // would never end: it is the error instead of a deadlock.
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(lock.acquire(true, 200ms));
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 200ms);
+  EXPECT_EQ(CodeOf([&] { lock.acquire(); }), ErrorCode::kFailedPrecondition);
   EXPECT_EQ(OnOtherThread([lock]() mutable { return CodeOf([&] { lock.release(); }); }),
             ErrorCode::kFailedPrecondition);
   const ChildResult r = RunInChild(

@@ -12,7 +12,7 @@ Empty and Full are queue.Empty and queue.Full, as in multiprocessing.
 """
 
 from .. import _forksafe
-from ..errors import FailedPreconditionError
+from ..errors import FailedPreconditionError, ResourceExhaustedError
 from .reduction import Shareable, close_fds, dumps, loads
 
 _mp = _forksafe.mp
@@ -20,14 +20,30 @@ _mp = _forksafe.mp
 __all__ = ["Queue", "SimpleQueue", "JoinableQueue"]
 
 
+# The shared ring of a Queue made without ring_bytes: 64 MiB of address space, memory only for
+# what it holds (a ring this large gives the pages of got messages back: mp/queue.cc), so that a
+# program that puts its whole input before anything gets it (a million small items, a few
+# hundred lists of 200 KiB) does not wait, as with multiprocessing's queue. Where the system
+# cannot promise 64 MiB (a small container, RLIMIT_FSIZE), 1 MiB.
+_DEFAULT_RING_BYTES = 64 << 20
+_SMALL_RING_BYTES = 1 << 20
+
+
 class Queue(Shareable):
     """A FIFO queue between processes (multiprocessing.Queue). ``maxsize <= 0``: no limit but
-    the shared ring's size (``ring_bytes``, 1 MiB; items over a quarter of it go out of band)."""
+    the shared ring's size (``ring_bytes``; by default 64 MiB, of which only what the queue
+    holds is memory; items over a quarter of it go out of band)."""
 
     __slots__ = ("_handle", "__weakref__")
 
-    def __init__(self, maxsize=0, *, ctx=None, ring_bytes=1 << 20):
-        self._handle = _mp.Queue(maxsize, ring_bytes)
+    def __init__(self, maxsize=0, *, ctx=None, ring_bytes=None):
+        if ring_bytes is not None:
+            self._handle = _mp.Queue(maxsize, ring_bytes)
+            return
+        try:
+            self._handle = _mp.Queue(maxsize, _DEFAULT_RING_BYTES)
+        except ResourceExhaustedError:
+            self._handle = _mp.Queue(maxsize, _SMALL_RING_BYTES)
 
     @staticmethod
     def _handle_type():
