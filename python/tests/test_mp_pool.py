@@ -5,6 +5,7 @@ manager; conftest.py's watchdog ends the run past 120 s.
 """
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -39,6 +40,12 @@ def kill_self_on_three(x):
 def exit_on_zero(x):
     if x == 0:
         os._exit(5)
+    return x
+
+
+def sys_exit_on_two(x):
+    if x == 2:
+        sys.exit(4)  # SystemExit in a task: the worker ends with code 4, not the parent
     return x
 
 
@@ -126,14 +133,15 @@ def test_a_task_error_carries_the_remote_traceback():
 
 
 @pytest.mark.parametrize("target,how", [(kill_self_on_three, "killed by SIGKILL"),
-                                        (exit_on_zero, "exit code 5")])
+                                        (exit_on_zero, "exit code 5"),
+                                        (sys_exit_on_two, "exit code 4")])
 def test_a_dead_worker_fails_its_task_instead_of_hanging(target, how):
     with mp.Pool(2) as pool:
         with pytest.raises(forksafe.ProcessFailedError, match=how):
             pool.map(target, range(6), chunksize=1)
         # The pool replaced the worker and goes on.
         assert pool.map(square, range(8)) == [x * x for x in range(8)]
-        r = pool.apply_async(target, (3 if target is kill_self_on_three else 0,))
+        r = pool.apply_async(target, ({kill_self_on_three: 3, exit_on_zero: 0}.get(target, 2),))
         with pytest.raises(forksafe.ProcessFailedError, match="chunk 0"):
             r.get(T)
 

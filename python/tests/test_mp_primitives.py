@@ -3,6 +3,7 @@
 Every test that starts a process bounds its wait (join with a timeout, get with a timeout) and
 kills what it started when that runs out; conftest.py's watchdog ends the run past 120 s.
 """
+import ctypes
 import os
 import pickle
 import queue
@@ -537,6 +538,54 @@ def test_processes_started_from_several_threads_at_once_get_their_own_descriptor
         t.join(60)
     assert sorted(q.get(timeout=60) for _ in procs) == list(range(6))
     assert finish(procs) == [0] * 6
+
+
+class Point(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_int), ("y", ctypes.c_double)]
+
+
+def move_point(v):
+    with v.get_lock():
+        v.x += 1
+        v.y *= 2
+
+
+def test_multiprocessings_other_names_are_here_too():
+    # The stdlib's submodules and names a drop-in program imports (the thread-based ones are
+    # multiprocessing's own: threads have no fork to make safe).
+    from forksafe.multiprocessing import dummy, managers, shared_memory
+    from forksafe.multiprocessing.connection import Client, Listener, wait
+    from forksafe.multiprocessing.pool import ThreadPool
+    from forksafe.multiprocessing.queues import Empty, Full
+    from forksafe.multiprocessing.sharedctypes import copy, synchronized
+    assert Empty is queue.Empty and Full is queue.Full
+    assert managers.SyncManager and shared_memory.SharedMemory and Client and Listener
+    with ThreadPool(2) as tp:
+        assert tp.map(abs, [-1, -2]) == [1, 2]
+    assert dummy.Pool(1).apply(abs, (-3,)) == 3
+    a, b = mp.Pipe()
+    b.send("ready")
+    assert wait([a], timeout=10) == [a]
+    for name in ("util", "process", "reducer", "SUBDEBUG", "SUBWARNING", "SpawnContext",
+                 "init_reductions", "reductions"):
+        assert hasattr(mp, name), name
+    assert mp.get_context("spawn").reducer.ForkingPickler
+    mp.init_reductions()
+    # sharedctypes: copy, synchronized, a Structure's fields under the lock, any lock object.
+    raw = mp.RawArray("i", [1, 2, 3])
+    dup = copy(raw)
+    dup[0] = 9
+    assert list(raw) == [1, 2, 3] and list(dup) == [9, 2, 3]
+    assert synchronized(raw)[:] == [1, 2, 3]
+    point = mp.Value(Point, 1, 2.5)
+    assert (point.x, point.y) == (1, 2.5)
+    p = mp.Process(target=move_point, args=(point,))
+    p.start()
+    assert finish([p]) == [0]
+    assert (point.x, point.y) == (2, 5.0)
+    guarded = mp.Value("i", 3, lock=threading.Lock())
+    guarded.value += 1  # .value takes the lock (a threading.Lock is not recursive)
+    assert guarded.value == 4 and isinstance(guarded.get_lock(), type(threading.Lock()))
 
 
 def test_bad_arguments_of_the_primitives_are_clear_errors():

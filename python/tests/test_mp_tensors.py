@@ -74,6 +74,36 @@ def test_a_receivers_writes_are_seen_by_the_sender_through_a_queue(method, kind)
     assert mp.is_shared(x)
 
 
+def keep_and_add_on_signal(q, go, out):
+    t = q.get(timeout=60)
+    out.put("have it")
+    go.wait(60)
+    t.add_(1)
+    out.put("added")
+
+
+def test_torchs_own_is_shared_and_share_memory_know_forksafes_memory():
+    # torch.Tensor.is_shared() says True once forksafe moved the tensor (as after a torch.mp
+    # send), and share_memory_() then keeps it where the receiver has it: torch's own would have
+    # copied it into torch's shared memory, and the receiver's later writes were lost.
+    t = torch.zeros(4)
+    assert not t.is_shared()
+    q, out, go = mp.Queue(), mp.Queue(), mp.Event()
+    p = mp.Process(target=keep_and_add_on_signal, args=(q, go, out))
+    p.start()
+    q.put(t)
+    assert out.get(timeout=60) == "have it"
+    assert t.is_shared() and mp.is_shared(t)
+    assert t.share_memory_() is t
+    go.set()
+    assert out.get(timeout=60) == "added"
+    assert finish([p]) == [0]
+    assert t.tolist() == [1.0] * 4
+    # Tensors forksafe never moved keep torch's own behaviour.
+    u = torch.ones(3)
+    assert not u.is_shared() and u.share_memory_().is_shared()
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_process_arguments_share_memory(method):
     ctx = mp.get_context(method)

@@ -35,6 +35,7 @@ from .sharedctypes import Array, RawArray, RawValue, Value
 from .spawn import (ProcessContext, ProcessException, ProcessExitedException,
                     ProcessRaisedException, spawn, start_processes)
 from .synchronize import Barrier, BoundedSemaphore, Condition, Event, Lock, RLock, Semaphore
+from . import reduction as reductions  # torch.multiprocessing.reductions' place
 
 # multiprocessing's exceptions, for `except mp.TimeoutError` and friends.
 ProcessError = _stdlib.ProcessError
@@ -50,6 +51,18 @@ get_logger = _stdlib.get_logger
 log_to_stderr = _stdlib.log_to_stderr
 set_executable = _stdlib.set_executable
 set_forkserver_preload = _stdlib.set_forkserver_preload
+# multiprocessing's modules and constants, under their usual names.
+util = _stdlib.util
+process = _stdlib.process
+reducer = _stdlib.reducer
+SUBDEBUG = _stdlib.SUBDEBUG
+SUBWARNING = _stdlib.SUBWARNING
+# torch.multiprocessing's older name of ProcessContext.
+SpawnContext = ProcessContext
+
+
+def init_reductions():
+    """torch.multiprocessing.init_reductions: a no-op here (forksafe's pickling is always on)."""
 
 
 def cpu_count():
@@ -88,10 +101,12 @@ __all__ = [
     "Condition", "Connection", "Event", "ForkProcess", "ForkServerProcess", "ForksafeContext",
     "JoinableQueue", "LaunchInfo", "Lock", "Manager", "Pipe", "Pool", "Process", "ProcessContext",
     "ProcessError", "ProcessException", "ProcessExitedException", "ProcessRaisedException",
-    "Queue", "RLock", "RawArray", "RawValue", "Semaphore", "SimpleQueue", "SpawnProcess",
+    "Queue", "RLock", "RawArray", "RawValue", "SUBDEBUG", "SUBWARNING", "Semaphore",
+    "SimpleQueue", "SpawnContext", "SpawnProcess",
     "TimeoutError", "Value", "active_children", "allow_connection_pickling", "cpu_count",
     "current_process", "freeze_support", "get_all_sharing_strategies", "get_all_start_methods",
-    "get_context", "get_logger", "get_sharing_strategy", "get_start_method", "is_shared",
+    "get_context", "get_logger", "get_sharing_strategy", "get_start_method", "init_reductions",
+    "is_shared",
     "launch_info",
     "log_to_stderr", "parent_process", "set_executable", "set_forkserver_preload",
     "set_sharing_strategy", "set_start_method", "share_memory", "shared_ndarray", "spawn",

@@ -5,12 +5,16 @@ shared memory, see reduction.py); send_bytes/recv_bytes carry raw bytes. recv() 
 whose other end is closed raises EOFError (forksafe.ClosedError is one).
 """
 
+from multiprocessing.connection import Client, Listener, wait  # noqa: F401 (their names here)
+
 from .. import _forksafe
 from .reduction import Shareable, close_fds, dumps, loads
 
 _mp = _forksafe.mp
 
-__all__ = ["Connection", "Pipe"]
+# wait() takes forksafe's connections too (it selects on fileno()); Listener and Client are
+# multiprocessing's own (sockets between unrelated processes), kept under their usual names.
+__all__ = ["Client", "Connection", "Listener", "Pipe", "wait"]
 
 
 class Connection(Shareable):

@@ -204,6 +204,13 @@ class ForksafeContext:
     def set_forkserver_preload(self, module_names):
         _stdlib.set_forkserver_preload(module_names)
 
+    @property
+    def reducer(self):
+        """multiprocessing.reduction (ForkingPickler, register): a reducer registered there is
+        used by forksafe's pickling too, for what forksafe does not take out of band."""
+        import multiprocessing.reduction
+        return multiprocessing.reduction
+
     @staticmethod
     def allow_connection_pickling():
         """No-op: forksafe's connections always cross processes."""

@@ -25,12 +25,14 @@ import weakref
 from multiprocessing import TimeoutError as _stdlib_TimeoutError
 from multiprocessing import connection as _stdlib_connection
 from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
+# A pool of threads has no fork to make safe: multiprocessing's own, under its usual name.
+from multiprocessing.pool import ThreadPool  # noqa: F401
 
 from ..errors import ProcessFailedError
 from .connection import Pipe
 from .reduction import close_fds, dumps
 
-__all__ = ["Pool", "ApplyResult", "AsyncResult", "MapResult", "IMapIterator"]
+__all__ = ["Pool", "ThreadPool", "ApplyResult", "AsyncResult", "MapResult", "IMapIterator"]
 
 _RUN, _CLOSE, _TERMINATE = "RUN", "CLOSE", "TERMINATE"
 
@@ -61,6 +63,12 @@ def _worker(conn, initializer, initargs, maxtasks):
         func, star, chunk = task
         try:
             result = (True, [func(*a) if star else func(a) for a in chunk])
+        except (SystemExit, KeyboardInterrupt):
+            # The task ended its process (sys.exit) or was interrupted: the worker ends, with that
+            # exit code, and its chunk fails in the parent with ProcessFailedError (what a dead
+            # worker gives), which `except Exception` catches. Sent back as the result, it
+            # used to end the parent itself.
+            raise
         except BaseException as e:
             result = (False, ExceptionWithTraceback(e, e.__traceback__))
         try:

@@ -11,6 +11,8 @@ What differs from multiprocessing's queues (and the seeds' caveats that do not a
 Empty and Full are queue.Empty and queue.Full, as in multiprocessing.
 """
 
+from queue import Empty, Full  # noqa: F401 (multiprocessing.queues has them too)
+
 from .. import _forksafe
 from ..errors import FailedPreconditionError, ResourceExhaustedError
 from .reduction import Shareable, close_fds, dumps, loads

@@ -54,7 +54,40 @@ def _torch_module():
     global _torch
     if _torch is None and "torch" in sys.modules:
         _torch = sys.modules["torch"]
+        _teach_torch(_torch)
     return _torch
+
+
+def _import_torch():
+    # A receiver rebuilding a tensor may not have imported torch yet.
+    __import__("torch")
+    return _torch_module()
+
+
+def _teach_torch(torch):
+    """torch.Tensor.is_shared() and share_memory_() learn forksafe's shared memory: a tensor that
+    forksafe moved there (its first send, share_memory()) is shared (torch alone says False: the
+    memory is not its allocator's), and share_memory_() on it keeps it where it is (torch's
+    would copy it into torch's own shared memory, away from the processes that have it).
+    Everything else is torch's own behaviour."""
+    tensor = getattr(torch, "Tensor", None)
+    if tensor is None or getattr(tensor, "_forksafe_taught", False):
+        return
+    torch_is_shared, torch_share_memory_ = tensor.is_shared, tensor.share_memory_
+
+    def is_shared(self):
+        if self.is_cpu and _torch_storage_tensor(self) is not None:
+            return True
+        return torch_is_shared(self)
+
+    def share_memory_(self):
+        if self.is_cpu and _torch_storage_tensor(self) is not None:
+            return self
+        return torch_share_memory_(self)
+
+    is_shared.__doc__, share_memory_.__doc__ = torch_is_shared.__doc__, torch_share_memory_.__doc__
+    tensor.is_shared, tensor.share_memory_ = is_shared, share_memory_
+    tensor._forksafe_taught = True
 
 
 class Shareable:
@@ -329,7 +362,7 @@ def _rebuild_torch(fs, dtype, size, stride, offset, requires_grad, parameter, fl
     new one is made from it with one op (0.9 us); else the memory is imported (DLPack) and
     typed, and `flat` (one dimension, contiguous, the whole memory) makes the typed view itself
     the tensor (0.4 us, where an as_strided more takes 1.4 us)."""
-    torch = _torch or _torch_module() or __import__("torch")
+    torch = _torch or _import_torch()
     torch_dtype = _torch_dtype(torch, dtype)
     ptr = fs.data_ptr()
     entry = _torch_shared.get(ptr)
@@ -356,7 +389,7 @@ def _rebuild_torch(fs, dtype, size, stride, offset, requires_grad, parameter, fl
 
 
 def _rebuild_empty_torch(dtype, size, stride, requires_grad, parameter):
-    torch = _torch or _torch_module() or __import__("torch")
+    torch = _torch or _import_torch()
     t = torch.empty_strided(size, stride, dtype=_torch_dtype(torch, dtype))
     return _with_grad(torch, t, requires_grad, parameter)
 

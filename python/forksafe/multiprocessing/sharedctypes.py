@@ -20,7 +20,7 @@ from .synchronize import Lock, RLock
 
 _mp = _forksafe.mp
 
-__all__ = ["RawValue", "RawArray", "Value", "Array"]
+__all__ = ["RawValue", "RawArray", "Value", "Array", "copy", "synchronized"]
 
 typecode_to_type = {
     "c": ctypes.c_char, "u": ctypes.c_wchar,
@@ -122,7 +122,11 @@ def _make_lock(lock):
         return RLock()
     if isinstance(lock, (Lock, RLock)):
         return lock
-    raise AttributeError(f"lock must be True, False, or a forksafe.multiprocessing Lock or RLock, "
+    if callable(getattr(lock, "acquire", None)) and callable(getattr(lock, "release", None)):
+        # Any lock object, as multiprocessing takes (a threading.Lock guards only this process's
+        # threads, and the value then cannot be sent to another process).
+        return lock
+    raise AttributeError(f"lock must be True, False, or a lock (acquire and release), "
                          f"not {lock!r}")
 
 
@@ -137,7 +141,7 @@ class Synchronized:
         self.release = lock.release
 
     def __reduce__(self):
-        return type(self), (self._block, self._lock)
+        return synchronized, (self._block.obj, self._lock)
 
     def get_lock(self):
         return self._lock
@@ -190,12 +194,55 @@ class SynchronizedArray(Synchronized):
             return self._obj.raw
 
 
+def _field_property(name):
+    def get(self):
+        with self._lock:
+            return getattr(self._obj, name)
+
+    def set(self, value):
+        with self._lock:
+            setattr(self._obj, name, value)
+
+    return property(get, set, doc=f"the field {name!r}, under the lock")
+
+
+_struct_wrappers = {}  # ctypes.Structure subclass -> its Synchronized subclass
+
+
+def synchronized(obj, lock=None, ctx=None):
+    """multiprocessing.sharedctypes.synchronized: `obj` (a RawValue or RawArray) with a lock
+    (an RLock when `lock` is None). A Structure's fields are properties taken under the lock."""
+    block = getattr(obj, "_forksafe_block", None)
+    if block is None:
+        raise TypeError(f"synchronized() takes a RawValue or RawArray of "
+                        f"forksafe.multiprocessing, not {type(obj).__name__}")
+    lock = _make_lock(lock)
+    ctype = type(obj)
+    if issubclass(ctype, ctypes.Array):
+        return SynchronizedArray(block, lock)
+    if issubclass(ctype, ctypes.Structure):
+        cls = _struct_wrappers.get(ctype)
+        if cls is None:
+            fields = {f[0]: _field_property(f[0]) for f in ctype._fields_}
+            cls = _struct_wrappers[ctype] = type(
+                f"Synchronized{ctype.__name__}", (Synchronized,), fields)
+        return cls(block, lock)
+    return Synchronized(block, lock)
+
+
+def copy(obj):
+    """multiprocessing.sharedctypes.copy: a new RawValue/RawArray holding a copy of `obj`."""
+    new = _raw(type(obj)).obj
+    ctypes.memmove(ctypes.addressof(new), ctypes.addressof(obj), ctypes.sizeof(obj))
+    return new
+
+
 def Value(typecode_or_type, *args, lock=True, ctx=None):
     """A shared value; with a lock unless lock=False (then the raw ctypes object)."""
     obj = RawValue(typecode_or_type, *args)
     if lock is False:
         return obj
-    return Synchronized(obj._forksafe_block, _make_lock(lock))
+    return synchronized(obj, None if lock is True else lock)
 
 
 def Array(typecode_or_type, size_or_initializer, *, lock=True, ctx=None):
@@ -203,4 +250,4 @@ def Array(typecode_or_type, size_or_initializer, *, lock=True, ctx=None):
     obj = RawArray(typecode_or_type, size_or_initializer)
     if lock is False:
         return obj
-    return SynchronizedArray(obj._forksafe_block, _make_lock(lock))
+    return synchronized(obj, None if lock is True else lock)
