@@ -66,7 +66,10 @@
 //
 // Hazard: an unbounded Queue still has a finite ring (QueueOptions::ring_bytes, 1 MiB default):
 // when it is full of small messages that nobody gets, put() waits for space (or times out); so
-// does a put when the descriptor batches in flight reach their limit (see above).
+// does a put when the descriptor batches in flight reach their limit (see above). A large ring
+// is cheap: one of 8 MiB or more gives the pages of got messages back to the system (every
+// 1 MiB got), so it costs the memory of what it holds, not its size (forksafe.multiprocessing's
+// Queue uses 64 MiB).
 // Hazard: a reader SIGKILLed between get() and using a tensor's handle leaves that reference in
 // flight: its segment lives until the queue is gone.
 // Hazard: "the queue is gone" is judged from /proc (mp/internal/shm_manager.h): a process holds it
@@ -110,7 +113,7 @@ struct QueueOptions {
   int64_t maxsize = 0;
   /// Bytes of the shared ring, 4 KiB to 4 GiB (else the constructor throws kInvalidArgument;
   /// more than the memory available now is kResourceExhausted). Messages over a quarter of it go
-  /// out of band.
+  /// out of band. Rings of 8 MiB and more give the pages of got messages back (see Hazards).
   size_t ring_bytes = size_t{1} << 20;
   /// Largest encoded item put() accepts and get() reads, 1 byte to Queue::kMaxItemBytes (1 GiB,
   /// the default; else the constructor throws kInvalidArgument). Every process that uses the

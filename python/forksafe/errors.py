@@ -75,8 +75,10 @@ class CancelledError(Error):
     code = "cancelled"
 
 
-class ClosedError(Error, EOFError):
-    """The object, or the peer's end of a channel, was closed."""
+class ClosedError(Error, EOFError, ValueError):
+    """The object, or the peer's end of a channel, was closed. An EOFError (recv() from a peer
+    that closed its end, as in multiprocessing) and a ValueError (a closed Queue's put or get,
+    where multiprocessing raises ValueError)."""
     code = "closed"
 
 

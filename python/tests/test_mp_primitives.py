@@ -178,6 +178,8 @@ def test_queue_empty_full_and_sizes():
     q.close()
     with pytest.raises(forksafe.ClosedError):
         q.put(1)
+    with pytest.raises(ValueError):  # multiprocessing's type for a closed queue
+        q.get(timeout=1)
 
 
 def test_an_unbounded_queue_takes_its_whole_input_before_any_get():
