@@ -34,7 +34,8 @@ def test_errors_are_the_builtin_exceptions_python_users_catch():
     assert issubclass(forksafe.InvalidArgumentError, ValueError)
     assert issubclass(forksafe.DeadlineExceededError, TimeoutError)
     assert issubclass(forksafe.NotFoundError, LookupError)
-    assert issubclass(forksafe.ClosedError, EOFError) and issubclass(forksafe.ClosedError, ValueError)
+    assert issubclass(forksafe.ClosedError, EOFError)
+    assert issubclass(forksafe.ClosedError, ValueError)  # a closed Queue, as in multiprocessing
 
 
 @pytest.mark.parametrize("kwargs, words", [
