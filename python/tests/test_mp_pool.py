@@ -146,6 +146,39 @@ def test_a_dead_worker_fails_its_task_instead_of_hanging(target, how):
             r.get(T)
 
 
+def pool_under_ignored_sigchld(q):
+    # SIGCHLD ignored: the kernel reaps exited children at once, so a dead worker can never be
+    # waited for. Its chunk used to wait for ever (as multiprocessing's does), with the
+    # handler spinning on the dead worker's readable sentinel.
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    with mp.Pool(2) as pool:
+        try:
+            pool.apply_async(exit_on_zero, (0,)).get(30)
+            q.put("no error")
+        except forksafe.ProcessFailedError as e:
+            q.put(str(e))
+        q.put(pool.map(square, range(5)))
+        started = time.process_time()
+        time.sleep(1)
+        q.put(time.process_time() - started)
+
+
+def test_a_dead_worker_fails_its_task_even_when_sigchld_is_ignored():
+    q = mp.Queue()
+    p = mp.Process(target=pool_under_ignored_sigchld, args=(q,))
+    p.start()
+    try:
+        assert "SIGCHLD is ignored" in q.get(timeout=60)
+        assert q.get(timeout=60) == [0, 1, 4, 9, 16]
+        assert q.get(timeout=60) < 0.5  # CPU seconds in a second of idling: no spinning
+        p.join(60)
+        assert p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def test_imap_reads_its_input_lazily():
     taken = []
 

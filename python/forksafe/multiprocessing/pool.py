@@ -408,8 +408,11 @@ class Pool:
 
     def _reap_locked(self, w):
         w.process.join(timeout=5)
-        if w.process.exitcode is None:
-            return
+        if w.process.exitcode is None and not _stdlib_connection.wait([w.process.sentinel], 0):
+            return  # alive
+        # Ended: its exit code, or None where it ended but cannot be waited for (the program
+        # ignores SIGCHLD, so the kernel reaped it: its chunk must fail all the same, and its
+        # sentinel, readable for ever, must not keep this loop spinning).
         for _ in range(4):  # what it sent before it ended: a result, an initializer's error
             if not w.conn.poll(0):
                 break
@@ -419,7 +422,8 @@ class Pool:
         if w.task is not None:
             job, index = w.task
             code = w.process.exitcode
-            how = (f"killed by {signal.Signals(-code).name}" if code < 0
+            how = ("exit status unknown: SIGCHLD is ignored, so the system reaped it"
+                   if code is None else f"killed by {signal.Signals(-code).name}" if code < 0
                    else f"exit code {code}")
             err = ProcessFailedError(
                 f"a pool worker (pid {w.process.pid}) died ({how}) while running chunk {index} "
