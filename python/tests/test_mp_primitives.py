@@ -8,6 +8,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 
@@ -588,6 +589,19 @@ def test_multiprocessings_other_names_are_here_too():
     guarded = mp.Value("i", 3, lock=threading.Lock())
     guarded.value += 1  # .value takes the lock (a threading.Lock is not recursive)
     assert guarded.value == 4 and isinstance(guarded.get_lock(), type(threading.Lock()))
+
+
+def exit_with(i, code):
+    sys.exit(code)
+
+
+def test_sys_exit_in_a_spawned_function_is_its_exit_code_as_in_torch():
+    # torch.multiprocessing.spawn: sys.exit(0) is a clean end, sys.exit(3) exit code 3
+    # (ProcessExitedException), not a raised exception.
+    mp.spawn(exit_with, args=(0,), nprocs=2, start_method="fork")
+    with pytest.raises(mp.ProcessExitedException) as info:
+        mp.spawn(exit_with, args=(3,), nprocs=2, start_method="fork")
+    assert info.value.exit_code == 3
 
 
 def test_bad_arguments_of_the_primitives_are_clear_errors():

@@ -241,8 +241,14 @@ def _shared_record(t):
     # The storage's address (_storage_ptr, inlined: this runs once per tensor of every message).
     entry = _torch_shared.get(t.data_ptr() - t.storage_offset() * t.element_size())
     if entry is None:
-        entry = _move_to_shared(_torch_module(), t)
+        with _moving:  # two threads sending one fresh tensor: one moves it, the other finds it
+            entry = _torch_shared.get(_storage_ptr(t))
+            if entry is None:
+                entry = _move_to_shared(_torch_module(), t)
     return entry
+
+
+_moving = threading.RLock()
 
 
 def _share_torch_(t):
@@ -252,8 +258,10 @@ def _share_torch_(t):
         raise InvalidArgumentError(
             f"a torch tensor on {t.device} cannot cross through forksafe's shared memory; move it "
             "to the CPU, or share it with torch's own CUDA IPC")
-    if _torch_storage_tensor(t) is None and t.numel() != 0:
-        _move_to_shared(_torch_module(), t)
+    if t.numel() != 0:
+        with _moving:
+            if _torch_storage_tensor(t) is None:
+                _move_to_shared(_torch_module(), t)
     return t  # an empty tensor has no memory to share: it crosses as its shape alone
 
 
@@ -261,17 +269,22 @@ def _move_to_shared(torch, t):
     """_share_torch_'s move of non-empty CPU tensor `t` (not shared yet); returns its record.
     About 5 us for a small tensor, plus the copy."""
     storage = _untyped_storage(t)
-    _prune_torch_records()  # what dead records hold goes back to the arena before allocating
     # The block and the copy in one call (raw bytes at memcpy speed; torch's uint8 copy_ took
-    # 4x longer), then torch's view of the block.
+    # 4x longer), then torch's view of the block. (Records of storages torch let go of are
+    # dropped by their release, and pruned as they double: a prune per move made a message of
+    # n fresh tensors cost n^2, 14.8 s for 8000.)
     fs = _mp.shared_copy(storage.data_ptr(), storage.nbytes())
     ptr = fs.data_ptr()
     shared = _untyped_storage(_torch_view_of(torch, fs, ptr))
-    if t.requires_grad:  # set_ on a leaf that requires grad: only outside autograd
-        with torch.no_grad():
+    if t.is_inference():  # no version counter to keep; set_ only inside inference mode
+        with torch.inference_mode():
             t.set_(shared, t.storage_offset(), t.size(), t.stride())
     else:
-        t.set_(shared, t.storage_offset(), t.size(), t.stride())
+        # `.data =`, not set_: set_ is an in-place op and bumps t's version counter, so a tensor
+        # saved for backward ("modified by an inplace operation") could not be sent.
+        moved = torch.empty(0, dtype=t.dtype)
+        moved.set_(shared, t.storage_offset(), t.size(), t.stride())
+        t.data = moved
     return _remember_torch_storage(fs, ptr, t)  # t itself: a reply over it is made from it
 
 

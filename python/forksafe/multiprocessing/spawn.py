@@ -93,7 +93,7 @@ def _wrap(fn, i, args, error_queue, env=None):
         fn(i, *args)
     except KeyboardInterrupt:
         pass  # the parent is ending us
-    except BaseException as e:
+    except Exception as e:  # as torch: sys.exit(n) is exit code n (ProcessExitedException)
         error_queue.put((i, f"{type(e).__module__}.{type(e).__qualname__}", str(e),
                          traceback.format_exc()))
         sys.stdout.flush()  # os._exit drops buffered output
