@@ -105,6 +105,52 @@ def test_torchs_own_is_shared_and_share_memory_know_forksafes_memory():
     assert not u.is_shared() and u.share_memory_().is_shared()
 
 
+def fill_first_item(q, out):
+    x = q.get(timeout=60)
+    (x[0] if isinstance(x, tuple) else x).fill_(4)
+    out.put("done")
+
+
+def send_weight_then_train(model, q, go):
+    q.put(model.weight)
+    go.wait(60)
+    with torch.no_grad():
+        model.weight.fill_(9)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_torch_share_memory_first_keeps_views_and_the_parent_aliased(method):
+    # torch's share_memory_() (and model.share_memory()) puts the tensor in forksafe's shared
+    # memory: a view sent later is over that same memory, so the receiver's writes reach the
+    # sender's tensor. (Into torch's own shared memory, the first send copied it out again: the
+    # sender's tensor stayed [0, 0, 0, 0].)
+    ctx = mp.get_context(method)
+    t = torch.zeros(4).share_memory_()
+    assert t.is_shared() and mp.is_shared(t)
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=fill_first_item, args=(q, out))
+    p.start()
+    q.put((t[2:], t))
+    assert out.get(timeout=60) == "done"
+    assert finish([p]) == [0]
+    assert t.tolist() == [0.0, 0.0, 4.0, 4.0]
+
+
+def test_a_hogwild_worker_that_sends_a_parameter_keeps_training_the_shared_model():
+    # model.share_memory(), then a forked worker sends its parameter and trains on: the parent's
+    # model must see the training (the send used to move the worker's parameter off the shared
+    # memory, detaching it from the parent and the other workers).
+    model = torch.nn.Linear(2, 1, bias=False)
+    model.share_memory()
+    q, go = mp.Queue(), mp.Event()
+    p = mp.Process(target=send_weight_then_train, args=(model, q, go))
+    p.start()
+    sent = q.get(timeout=60)
+    go.set()
+    assert finish([p]) == [0]
+    assert model.weight.tolist() == [[9.0, 9.0]] and sent.tolist() == [[9.0, 9.0]]
+
+
 def test_sending_a_tensor_keeps_its_autograd_state_and_inference_tensors_cross():
     # The move into shared memory must not count as an in-place change: a tensor saved for
     # backward stayed at version 0 in torch, and set_ made backward() fail ("modified by an

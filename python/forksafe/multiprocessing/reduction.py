@@ -65,11 +65,18 @@ def _import_torch():
 
 
 def _teach_torch(torch):
-    """torch.Tensor.is_shared() and share_memory_() learn forksafe's shared memory: a tensor that
-    forksafe moved there (its first send, share_memory()) is shared (torch alone says False: the
-    memory is not its allocator's), and share_memory_() on it keeps it where it is (torch's
-    would copy it into torch's own shared memory, away from the processes that have it).
-    Everything else is torch's own behaviour."""
+    """torch.Tensor.is_shared() and share_memory_() learn forksafe's shared memory, from the
+    moment forksafe.multiprocessing meets torch (at its import when torch is imported first):
+    - share_memory_() of a CPU tensor moves it into forksafe's shared memory (as its first send
+      would), so `model.share_memory()` / `t.share_memory_()` before forking Hogwild workers
+      or taking views puts the tensors where forksafe's messages find them: a worker that sends
+      a parameter, or a view of a shared buffer sent to a worker, stays over the same memory.
+      (Into torch's own shared memory, the first send had to copy it out again, and the
+      writes no longer reached the other processes or the other views.) On a tensor forksafe
+      moved already it does nothing; device tensors and tensors torch shared already keep
+      torch's behaviour.
+    - is_shared() is True for a tensor in forksafe's shared memory (torch alone says False: the
+      memory is not its allocator's)."""
     tensor = getattr(torch, "Tensor", None)
     if tensor is None or getattr(tensor, "_forksafe_taught", False):
         return
@@ -81,7 +88,8 @@ def _teach_torch(torch):
         return torch_is_shared(self)
 
     def share_memory_(self):
-        if self.is_cpu and _torch_storage_tensor(self) is not None:
+        if self.is_cpu and self.numel() != 0 and not torch_is_shared(self):
+            _share_torch_(self)  # moves it unless forksafe has it already
             return self
         return torch_share_memory_(self)
 
@@ -714,3 +722,31 @@ def _spawn_rebuild(data, blobs, n_message_fds, dup):
         close_fds([fd for fd in fds if fd >= 0])
         raise
     return loads(data, tensors, fds[:n_message_fds])
+
+
+class _TeachTorchOnImport:
+    """A finder that only watches for torch's import (a program that imports forksafe first):
+    once torch's module has run, _teach_torch runs, before the program can call share_memory_()."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if loader is not None and hasattr(loader, "exec_module"):
+            run = loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                _torch_module()
+
+            loader.exec_module = exec_module
+        return spec
+
+
+# torch.Tensor.share_memory_() is on forksafe's memory from here on (model.share_memory() before
+# the workers start: _teach_torch), whether torch was imported before forksafe or is later.
+if _torch_module() is None:
+    sys.meta_path.insert(0, _TeachTorchOnImport())
