@@ -84,35 +84,37 @@ bool WaitInterruptibly(Seconds timeout, Attempt&& attempt) {
   }
   const auto start = std::chrono::steady_clock::now();
   const double total = timeout.has_value() ? std::max(*timeout, 0.0) : 0.0;
+  auto left = [&] {
+    return total - std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
   for (;;) {
-    double slice = kSignalSlice;
-    if (timeout.has_value()) {
-      const double elapsed =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      slice = std::clamp(total - elapsed, 0.0, kSignalSlice);
-    }
+    const double slice = timeout.has_value() ? std::clamp(left(), 0.0, kSignalSlice) : kSignalSlice;
     bool done;
     {
       py::gil_scoped_release nogil;
       done = attempt(mp::Timeout(slice));
     }
     if (done) return true;
-    if (timeout.has_value() &&
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >= total) {
-      return false;
-    }
+    if (timeout.has_value() && left() <= 0) return false;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
   }
 }
 
-// acquire(block, timeout) of a lock or semaphore: a blocking one waits in slices.
-template <class L>
-bool Acquire(L& lock, bool block, Seconds timeout) {
+// A call with multiprocessing's (block, timeout): non-blocking, one attempt with the GIL
+// released (its timeout unused); blocking, WaitInterruptibly.
+template <class Attempt>
+bool BlockOrTry(bool block, Seconds timeout, Attempt&& attempt) {
   if (!block) {
     py::gil_scoped_release nogil;
-    return lock.acquire(false, mp::Timeout());
+    return attempt(mp::Timeout());
   }
-  return WaitInterruptibly(timeout, [&](const mp::Timeout& t) { return lock.acquire(true, t); });
+  return WaitInterruptibly(timeout, attempt);
+}
+
+// acquire(block, timeout) of a lock or semaphore.
+template <class L>
+bool Acquire(L& lock, bool block, Seconds timeout) {
+  return BlockOrTry(block, timeout, [&](const mp::Timeout& t) { return lock.acquire(block, t); });
 }
 
 // "within 2.5 s" / "" (no timeout) for the messages of waits that ran out.
@@ -247,24 +249,18 @@ class PyQueue {
         return false;
       }
     };
-    bool done;
-    if (!block) {
-      py::gil_scoped_release nogil;
-      done = attempt(mp::Timeout());
-    } else {
-      done = WaitInterruptibly(timeout, attempt);
-    }
-    if (!done)
+    if (!BlockOrTry(block, timeout, attempt)) {
       RaiseQueueError("Full",
                       block ? "Queue.put: no room" + Within(timeout) + " (" + full + ")" : full);
+    }
   }
 
   // A blocking get that finds the queue empty spins inside the C++ get, with the GIL released
   // here, for as long as the queue's adaptive rule says (mp/internal/queue_spin.h: about twice
   // the recent wait, 50 to 400 us, or a nap until shortly before a later item is expected). It
   // learns a Python peer's longer turn by itself, which a fixed 200 us poll here used to cover
-  // (bench/peers, workload 1: 162 -> 56 us).
-  // A blocking get waits in slices (WaitInterruptibly), so that Ctrl-C ends it.
+  // (bench/peers, workload 1: 162 -> 56 us). It waits in slices (WaitInterruptibly), so that
+  // Ctrl-C ends it.
   py::tuple Get(bool block, Seconds timeout) {
     Payload p;
     std::string empty;
@@ -278,14 +274,7 @@ class PyQueue {
         return false;
       }
     };
-    bool got;
-    if (!block) {
-      py::gil_scoped_release nogil;
-      got = attempt(mp::Timeout());
-    } else {
-      got = WaitInterruptibly(timeout, attempt);
-    }
-    if (!got) {
+    if (!BlockOrTry(block, timeout, attempt)) {
       RaiseQueueError("Empty", block ? "Queue.get: nothing arrived" + Within(timeout) : empty);
     }
     return ToPython(std::move(p));
