@@ -76,10 +76,11 @@ std::string SignalName(int sig) {
 
 namespace internal {
 
-// posix_spawn()s /proc/self/exe with `flag` as argv[1] and `fd_for_child` as its descriptor 3.
-// posix_spawn does not run at-fork handlers: a fresh program needs no quiescing.
+// posix_spawn()s /proc/self/exe (or `executable`) with `flag` as argv[1] and `fd_for_child` as
+// its descriptor 3. posix_spawn does not run at-fork handlers: a fresh program needs no quiescing.
 pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd,
-                      const std::vector<std::pair<std::string, std::string>>* env) {
+                      const std::vector<std::pair<std::string, std::string>>* env,
+                      const std::string* executable) {
   // Move the descriptors above 4 first, so that dup2 onto 3 and 4 always makes fresh,
   // inheritable ones (and neither source is overwritten by the other's dup2).
   // EINVAL: the limit of descriptors is 10 or less, so no descriptor 10 can exist.
@@ -99,7 +100,8 @@ pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd,
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, src.get(), kBootstrapFd);
   if (secret) posix_spawn_file_actions_adddup2(&fa, secret.get(), kSecretFd);
-  std::string argv0 = Argv0();
+  const char* path = executable != nullptr ? executable->c_str() : "/proc/self/exe";
+  std::string argv0 = executable != nullptr ? *executable : Argv0();
   char* argv[] = {argv0.data(), const_cast<char*>(flag), nullptr};
   // The environment: ours, with `env`'s variables replacing or added.
   std::vector<std::string> entries;
@@ -110,9 +112,9 @@ pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd,
     child_environ = envp.data();
   }
   pid_t pid = 0;
-  const int rc = posix_spawn(&pid, "/proc/self/exe", &fa, nullptr, argv, child_environ);
+  const int rc = posix_spawn(&pid, path, &fa, nullptr, argv, child_environ);
   posix_spawn_file_actions_destroy(&fa);
-  if (rc != 0) ThrowCannotStartProcess("posix_spawn of /proc/self/exe", rc);
+  if (rc != 0) ThrowCannotStartProcess(absl::StrCat("posix_spawn of ", path), rc);
   return pid;
 }
 

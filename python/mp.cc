@@ -575,9 +575,10 @@ void BindMp(py::module_& parent) {
       "A new shared uint8 tensor holding a copy of the `nbytes` bytes at `address` (the memory "
       "of a live object the caller keeps alive: a torch storage).");
   m.def(
-      "empty_cache", [] { mp::internal::SharedArena::Get().EmptyCache(); }, ReleaseGil(),
-      "Returns the arena's cached, unreferenced memory to the system (file_system segments "
-      "leave /dev/shm).");
+      "empty_cache", [] { mp::internal::SharedArena::Get().ReleaseCaches(); }, ReleaseGil(),
+      "Returns the arena's cached, unreferenced memory to the system, and unmaps the segments "
+      "received lately that no live tensor here uses (file_system segments leave /dev/shm once "
+      "no process holds them).");
   m.def(
       "arena_stats",
       [] {

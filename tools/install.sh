@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds libforksafe.so (optimized) and installs it with its headers, a CMake package, a
-# pkg-config file and the Python package for /usr/bin/python3 (docs/building.md, "The package";
+# pkg-config file, the shm manager program and the Python package for /usr/bin/python3 (docs/building.md, "The package";
 # docs/python.md).
 #   bash tools/install.sh [--prefix DIR]        (default /usr/local; as root for system prefixes)
 # Installs the Debian packages it needs first (tools/install_deps.sh). Safe to re-run over an
@@ -37,16 +37,19 @@ version="$major.$minor.$patch"
 tmp_files=()
 trap 'rm -f "${tmp_files[@]}"' EXIT
 build_log="$(mktemp)"; tmp_files+=("$build_log")
-echo "forksafe: building //:libforksafe.so and //python:_forksafe.so $version (optimized)"
+echo "forksafe: building //:libforksafe.so, //python:_forksafe.so and //mp:forksafe-shm-manager $version (optimized)"
 build_status=0
-bazel build --compilation_mode=opt //:libforksafe.so //python:_forksafe.so >"$build_log" 2>&1 ||
-  build_status=$?
+bazel build --compilation_mode=opt //:libforksafe.so //python:_forksafe.so \
+  //mp:forksafe-shm-manager >"$build_log" 2>&1 || build_status=$?
 grep -v "linux-sandbox" "$build_log" || true
 bin="$(bazel info --compilation_mode=opt bazel-bin 2>/dev/null)"
 built="$bin/libforksafe.so"
 built_ext="$bin/python/_forksafe.so"
-if [ "$build_status" -ne 0 ] || [ ! -f "$built" ] || [ ! -f "$built_ext" ]; then
-  echo "install.sh: the build of //:libforksafe.so or //python:_forksafe.so failed (output above)" >&2
+built_manager="$bin/mp/forksafe-shm-manager"
+if [ "$build_status" -ne 0 ] || [ ! -f "$built" ] || [ ! -f "$built_ext" ] ||
+   [ ! -f "$built_manager" ]; then
+  echo "install.sh: the build of //:libforksafe.so, //python:_forksafe.so or" \
+       "//mp:forksafe-shm-manager failed (output above)" >&2
   exit 1
 fi
 
@@ -136,6 +139,9 @@ mkdir -p "$libdir" "$pcdir"
 install -m 755 "$built" "$libdir/libforksafe.so.$version"
 ln -sfn "libforksafe.so.$version" "$libdir/libforksafe.so.$major"
 ln -sfn "libforksafe.so.$major" "$libdir/libforksafe.so"
+# The file_system strategy's manager, for programs that cannot serve it themselves (Python, a C++
+# program without InitMain): the library looks for it in the forksafe/ folder beside itself.
+install -m 755 -D "$built_manager" "$libdir/forksafe/forksafe-shm-manager"
 
 rm -rf "$incdir/forksafe"
 for f in "${headers[@]}"; do
@@ -208,6 +214,7 @@ forksafe $version installed in $prefix:
   $libdir/libforksafe.so.$version  (SONAME libforksafe.so.$major; $n_exported symbols exported, all forksafe's)
   $libdir/libforksafe.so.$major -> libforksafe.so.$version
   $libdir/libforksafe.so -> libforksafe.so.$major
+  $libdir/forksafe/forksafe-shm-manager  (the file_system strategy's manager, found by the library)
   $incdir/forksafe/  (${#headers[@]} headers: the public ones and the internal ones they include)
   $cmakedir/forksafeConfig.cmake, forksafeConfigVersion.cmake  (find_package(forksafe CONFIG); target forksafe::forksafe)
   $pcdir/forksafe.pc  (pkg-config --cflags --libs forksafe)

@@ -49,7 +49,7 @@ command -v taskset >/dev/null || { log "taskset (util-linux) is needed"; exit 1;
 # ---- 2. build -----------------------------------------------------------------------------------------
 log "building //bench/peers:peers_forksafe, :peers_forksafe_openmp, :peers_floor, //:libforksafe.so"
 bazel build //bench/peers:peers_forksafe //bench/peers:peers_forksafe_openmp \
-  //bench/peers:peers_floor //:libforksafe.so //python:_forksafe.so
+  //bench/peers:peers_floor //:libforksafe.so //python:_forksafe.so //mp:forksafe-shm-manager
 BIN=$(bazel info bazel-bin 2>/dev/null)
 rm -rf "$OUT"
 mkdir -p "$OUT/bin"
@@ -58,10 +58,8 @@ cp "$BIN/bench/peers/peers_forksafe" "$BIN/bench/peers/peers_forksafe_openmp" \
   "$BIN/bench/peers/peers_floor" "$BIN/libforksafe.so" "$OUT/bin/"
 # forksafe.multiprocessing, the Python column (peers_torch.py with PEERS_PY_SYSTEM=forksafe_py):
 # the package assembled as tools/python_package.sh does, from the same build.
-mkdir -p "$OUT/pypkg/forksafe"
-(cd python/forksafe && find . -name '*.py' -exec install -m 644 -D {} "../../$OUT/pypkg/forksafe/{}" \;)
-install -m 755 "$BIN/python/_forksafe.so" "$OUT/pypkg/forksafe/_forksafe.so"
-install -m 755 "$BIN/libforksafe.so" "$OUT/pypkg/forksafe/libforksafe.so.0"
+bash python/assemble_package.sh "$OUT/pypkg" "$BIN/python/_forksafe.so" "$BIN/libforksafe.so" \
+  "$BIN/mp/forksafe-shm-manager"
 # torch's workload 6 has a variant with forksafe loaded into the interpreter (peers_torch.py).
 export PEERS_FORKSAFE_LIB="$PWD/$OUT/bin/libforksafe.so"
 T_BUILD=$(( $(date +%s) - T0 ))

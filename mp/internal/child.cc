@@ -13,6 +13,8 @@
 #include <unistd.h>
 
 #include <cxxabi.h>
+
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -89,6 +91,12 @@ void SetArgv0(const char* argv0) {
   if (argv0 != nullptr && *argv0 != '\0') Argv0Storage() = argv0;
 }
 const std::string& Argv0() { return Argv0Storage(); }
+
+namespace {
+std::atomic<bool> g_init_main_called{false};
+}  // namespace
+void MarkInitMainCalled() { g_init_main_called.store(true, std::memory_order_relaxed); }
+bool InitMainCalled() { return g_init_main_called.load(std::memory_order_relaxed); }
 
 FileDescriptor LifelineReadEnd() {
   Lifeline& l = TheLifeline();

@@ -181,6 +181,12 @@ std::string Demangle(const char* mangled);
 // ---- program path -----------------------------------------------------------------------------
 void SetArgv0(const char* argv0);
 const std::string& Argv0();
+/// InitMain marks the program (and every child forked from it) as one that serves the library's
+/// flags when /proc/self/exe is spawned with them: only then is the shm manager this program
+/// (ShmManagerExecutable). A Python interpreter, or a C++ program that skipped InitMain, would
+/// take the flag for its own option or ignore it.
+void MarkInitMainCalled();
+bool InitMainCalled();
 
 }  // namespace forksafe::mp::internal
 

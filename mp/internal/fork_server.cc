@@ -335,6 +335,7 @@ namespace forksafe::mp {
 
 void InitMain(int argc, char** argv) {
   if (argc > 0) internal::SetArgv0(argv[0]);
+  internal::MarkInitMainCalled();
   if (argc >= 2 && std::strcmp(argv[1], internal::kChildFlag) == 0) internal::RunSpawnedChild();
   if (argc >= 2 && std::strcmp(argv[1], internal::kServerFlag) == 0) {
     internal::ServeForever(internal::kBootstrapFd);

@@ -117,14 +117,14 @@ SecretHandoff::~SecretHandoff() {
   TheHandoffs().open = 0;
 }
 
-Connection SpawnServer(const char* flag, pid_t* pid) {
+Connection SpawnServer(const char* flag, pid_t* pid, const std::string* executable) {
   std::string secret = NewServerSecret();
   Connection ours;
   {
     SecretHandoff handoff(secret);  // no fork in between gets the pipe or the server's end
     auto [mine, theirs] = Pipe(true);
     handoff.Guard(theirs.fileno());
-    *pid = SpawnExecutable(flag, theirs.fileno(), handoff.fd());
+    *pid = SpawnExecutable(flag, theirs.fileno(), handoff.fd(), nullptr, executable);
     theirs.close();
     ours = mine;
   }

@@ -87,17 +87,20 @@ bool CheckServerHello(Connection& c, const std::string& secret, const char* serv
 /// Connections this process (a server) refused.
 uint64_t RefusedConnections();
 
-/// Starts a helper server: spawns this executable with `flag` (SpawnExecutable) on one end of a
-/// new socketpair and a fresh secret (through a SecretHandoff, so no forked child gets either),
-/// sends the hello on the other end and returns it; `*pid` is the server's.
-Connection SpawnServer(const char* flag, pid_t* pid);
+/// Starts a helper server: spawns `executable` (nullptr: this executable) with `flag`
+/// (SpawnExecutable) on one end of a new socketpair and a fresh secret (through a SecretHandoff,
+/// so no forked child gets either), sends the hello on the other end and returns it; `*pid` is
+/// the server's.
+Connection SpawnServer(const char* flag, pid_t* pid, const std::string* executable = nullptr);
 
-/// Spawns this executable with `flag`, `fd_for_child` as descriptor 3 and, when >= 0,
+/// Spawns this executable (/proc/self/exe, argv[0] as InitMain saw it), or `executable` when
+/// given (argv[0] its path), with `flag`, `fd_for_child` as descriptor 3 and, when >= 0,
 /// `secret_fd` as kSecretFd (mp/process.cc); with this process's environment, in which `env`'s
 /// (name, value) pairs, when given, replace or add variables (so the new program's static
 /// initializers see them).
 pid_t SpawnExecutable(const char* flag, int fd_for_child, int secret_fd,
-                      const std::vector<std::pair<std::string, std::string>>* env = nullptr);
+                      const std::vector<std::pair<std::string, std::string>>* env = nullptr,
+                      const std::string* executable = nullptr);
 
 }  // namespace forksafe::mp::internal
 

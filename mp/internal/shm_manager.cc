@@ -1,16 +1,19 @@
 #include "forksafe/mp/internal/shm_manager.h"
 
 #include <dirent.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -21,6 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "forksafe/mp/connection.h"
+#include "forksafe/mp/internal/child.h"
 #include "forksafe/mp/internal/server_auth.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/internal/kept_resources.h"
@@ -35,6 +39,7 @@ struct Client {
   runtime::internal::Mutex mu;
   pid_t pid FORKSAFE_GUARDED_BY(mu) = 0;  // the shm manager's (0: none started)
   Connection conn FORKSAFE_GUARDED_BY(mu);
+  bool gave_up FORKSAFE_GUARDED_BY(mu) = false;  // no manager could be had: said once, not retried
 };
 
 Client& TheClient() {
@@ -54,6 +59,7 @@ const bool g_handler = [] {
       c.conn = Connection();
     }
     if (c.pid != 0) c.pid = 0;
+    if (c.gave_up) c.gave_up = false;  // the child tries once for itself
   });
   runtime::internal::RegisterKeptResources("mp_shm_manager",
                                            [](runtime::internal::KeptResources& k) {
@@ -398,20 +404,91 @@ int SweepOrphanedSegments() {
   return removed;
 }
 
+namespace {
+
+bool IsExecutableFile(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(path.c_str(), X_OK) == 0;
+}
+
+// The folder of the file that holds this code: libforksafe.so's, or the program's when forksafe
+// is linked into it. Empty when unknown.
+std::string FolderOfThisCode() {
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&ShmManagerExecutable), &info) == 0 ||
+      info.dli_fname == nullptr) {
+    return std::string();
+  }
+  char resolved[PATH_MAX];
+  if (realpath(info.dli_fname, resolved) == nullptr) {
+    // The program itself can be named as it was started (a relative argv[0]).
+    const ssize_t n = readlink("/proc/self/exe", resolved, sizeof(resolved) - 1);
+    if (n <= 0) return std::string();
+    resolved[n] = '\0';
+  }
+  std::string path(resolved);
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? std::string() : path.substr(0, slash);
+}
+
+}  // namespace
+
+std::optional<std::string> ShmManagerExecutable(std::string* why_none) {
+  const char* env = getenv("FORKSAFE_SHM_MANAGER");
+  if (env != nullptr && *env != '\0') {
+    if (IsExecutableFile(env)) return std::string(env);
+    *why_none = absl::StrCat("FORKSAFE_SHM_MANAGER=", env,
+                             " is not an executable file: point it at forksafe-shm-manager, or "
+                             "unset it");
+    return std::nullopt;
+  }
+  if (InitMainCalled()) return std::string();
+  const std::string folder = FolderOfThisCode();
+  if (!folder.empty()) {
+    for (const std::string& candidate : {absl::StrCat(folder, "/", kShmManagerProgram),
+                                         absl::StrCat(folder, "/forksafe/", kShmManagerProgram)}) {
+      if (IsExecutableFile(candidate)) return candidate;
+    }
+  }
+  *why_none = absl::StrCat(
+      "no forksafe-shm-manager beside ", folder.empty() ? "the library" : folder,
+      ", this program did not call forksafe::mp::InitMain(argc, argv), and FORKSAFE_SHM_MANAGER "
+      "is not set: do one of the three (tools/install.sh installs the manager)");
+  return std::nullopt;
+}
+
 void ShmManagerTrack(const std::string& name) {
   Client& c = TheClient();
   runtime::internal::MutexLock lk(&c.mu);
+  if (c.gave_up) return;
+  std::string why;
   try {
     if (c.pid == 0) {
-      c.conn = SpawnServer(kShmManagerFlag, &c.pid);
+      const std::optional<std::string> program = ShmManagerExecutable(&why);
+      if (program) {
+        c.conn = SpawnServer(kShmManagerFlag, &c.pid, program->empty() ? nullptr : &*program);
+      }
     }
-    c.conn.send(std::string("track"), name.substr(1));  // without the leading '/'
+    // without the leading '/'
+    if (c.pid != 0) c.conn.send(std::string("track"), name.substr(1));
   } catch (const std::exception& e) {
-    fprintf(stderr,
-            "forksafe: the shm manager is unavailable (%s); named segments are removed "
-            "only when freed\n",
-            e.what());
+    why = e.what();
   }
+  if (why.empty()) return;
+  c.gave_up = true;
+  if (c.pid != 0) {
+    // It started and died (or never served): reap it if it is gone, so no zombie stays.
+    c.conn.close();
+    c.conn = Connection();
+    // Its end closed: it is exiting. Wait for it briefly (a bounded wait, on this failure only).
+    int status = 0;
+    for (int i = 0; i < 20 && waitpid(c.pid, &status, WNOHANG) == 0; ++i) usleep(5000);
+    c.pid = 0;
+  }
+  fprintf(stderr,
+          "forksafe: the file_system strategy's shm manager is unavailable (%s); this process's "
+          "named segments are removed when freed, but not if it is killed\n",
+          why.c_str());
 }
 
 pid_t ShmManagerPid() {

@@ -148,8 +148,24 @@ bool HeldInFlight(const RefSnapshot& before, const std::set<uint64_t>& live);
 bool OnlyDeadCarriersHold(const SegmentHeader* h, const RefSnapshot& before,
                           const std::set<uint64_t>& live);
 
+/// The manager program installed with the library: tools/install.sh puts it in
+/// <libdir>/forksafe/, the Python package beside its libforksafe.so.0 (mp/shm_manager_main.cc).
+inline constexpr const char* kShmManagerProgram = "forksafe-shm-manager";
+
+/// Which program this process starts as its shm manager, in this order:
+///   1. $FORKSAFE_SHM_MANAGER, when set and not empty: that executable;
+///   2. this program, when it called InitMain (returned as ""): /proc/self/exe serves the flag;
+///   3. forksafe-shm-manager beside the file that holds this code (libforksafe.so's folder or its
+///      forksafe/ subfolder; the program's own folder when forksafe is linked into it).
+/// nullopt when there is none; `*why_none` then says why and what to do. A Python interpreter
+/// (or a C++ program that skipped InitMain) must never be spawned with the flag: it would take
+/// it for an option of its own, or run its main() again.
+std::optional<std::string> ShmManagerExecutable(std::string* why_none);
+
 /// Tells this process's manager (started on first use) about a new named segment.
-/// Never throws: without a manager, the creator still unlinks its segments when it frees them.
+/// Never throws: without a manager (none found, or it could not start or died), the creator
+/// still unlinks its segments when it frees them; the first failure is reported on stderr once,
+/// and no manager is tried again in this process.
 void ShmManagerTrack(const std::string& name);
 
 /// The manager's pid (0 when none was started by this process).

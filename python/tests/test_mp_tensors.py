@@ -5,6 +5,8 @@ do not leak; bad input is a clear error. Processes end within bounded waits.
 """
 import gc
 import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -318,6 +320,80 @@ def test_sharing_strategies():
     gc.collect()
     reduction.release_cached_memory()
     assert not [n for n in shm_entries() if n.startswith(mine)], "a named segment was left"
+
+
+_KILLED_PRODUCER = r"""
+import gc, os, signal, sys, time
+import numpy as np
+import forksafe.multiprocessing as mp
+from forksafe.multiprocessing import reduction
+
+
+def produce(q):
+    mp.set_sharing_strategy("file_system")
+    a = mp.shared_ndarray(1 << 18, np.float32)  # 1 MiB in a named segment of this process
+    a[:] = 7
+    q.put(a)
+    time.sleep(60)  # SIGKILLed long before
+
+
+def entries(pid):
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"forksafe_{pid}_")]
+
+
+def wait_for(cond, limit):
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+if __name__ == "__main__":
+    ctx = mp.get_context(sys.argv[1])
+    q = ctx.Queue()
+    p = ctx.Process(target=produce, args=(q,))
+    p.start()
+    a = q.get(timeout=60)
+    mine = entries(p.pid)
+    assert mine, "the producer made no named segment"
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL, p.exitcode
+    # Its manager keeps what this process still maps ...
+    time.sleep(1.5)
+    assert all(os.path.exists("/dev/shm/" + n) for n in mine), "removed while mapped here"
+    assert float(a.sum()) == 7 * (1 << 18)
+    # ... and removes it once nobody does.
+    del a
+    gc.collect()
+    reduction.release_cached_memory()
+    assert wait_for(lambda: not entries(p.pid), 10), f"left in /dev/shm: {entries(p.pid)}"
+    print("clean")
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_killed_file_system_producer_leaves_nothing_in_dev_shm(method, tmp_path):
+    """The file_system strategy's manager is the package's forksafe-shm-manager: before, the
+    library spawned the interpreter itself with the manager's flag (python: "unknown option
+    --forksafe-shm-manager"), no manager ran, and a SIGKILLed producer left its segments in
+    /dev/shm for good."""
+    script = tmp_path / "killed_producer.py"
+    script.write_text(_KILLED_PRODUCER)
+    done = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True,
+                          timeout=120, start_new_session=True)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "clean" in done.stdout, out
+    assert "unknown option" not in out and "unavailable" not in out, out
+
+
+def test_the_shm_manager_program_ships_with_the_package():
+    program = os.path.join(os.path.dirname(forksafe.__file__), "forksafe-shm-manager")
+    assert os.access(program, os.X_OK), program
+    done = subprocess.run([program], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "not run by hand" in done.stderr, done
 
 
 def test_nothing_leaks_across_many_messages():

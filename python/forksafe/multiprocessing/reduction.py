@@ -158,7 +158,9 @@ def shared_ndarray(shape, dtype="float64"):
 
 def release_cached_memory():
     """Drops the records of torch storages no tensor uses any more and returns the arena's
-    cached, unreferenced memory to the system (a file_system segment leaves /dev/shm). Runs at
+    cached, unreferenced memory to the system, including the segments received lately that no
+    live tensor here uses (kept mapped for speed: up to 16; a file_system segment leaves
+    /dev/shm once no process holds it). Runs at
     interpreter exit too: a process whose shm manager dies with it (a PID namespace ending)
     leaves nothing behind."""
     _prune_torch_records()
