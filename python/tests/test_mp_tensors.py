@@ -431,6 +431,50 @@ def test_structured_conjugated_and_sent_views_keep_their_values():
     assert q.get(timeout=5).tolist() == [-1.0, -2.0]
 
 
+def write_first(arr, out):
+    try:
+        arr.flat[0] = 99
+        out.put("written")
+    except ValueError as e:
+        out.put(f"refused: {e}")
+
+
+def test_numpy_layouts_and_read_only_views_cross_as_they_are():
+    """A column-major array arrives column-major (as pickling keeps it); a read-only view of
+    shared memory arrives read-only, so a receiver cannot write what the sender protected (it
+    arrived writable, and the write reached the sender's memory)."""
+    q = mp.Queue()
+    f = np.asfortranarray(np.arange(12.0).reshape(3, 4))
+    q.put(f)
+    got = q.get(timeout=5)
+    assert got.flags.f_contiguous and not got.flags.c_contiguous
+    assert (got == f).all()
+    fs = mp.share_memory(f)
+    assert fs.flags.f_contiguous and (fs == f).all() and mp.is_shared(fs)
+    b = np.broadcast_to(np.arange(3.0), (4, 3))  # stride 0: a compact copy, as pickling makes
+    q.put(b)
+    got = q.get(timeout=5)
+    assert got.shape == (4, 3) and (got == b).all()
+
+    shared = mp.shared_ndarray(4)
+    view = shared[1:]
+    view.flags.writeable = False
+    out = mp.Queue()
+    p = mp.Process(target=write_first, args=(view, out))
+    p.start()
+    assert out.get(timeout=60).startswith("refused")
+    p.join(60)
+    assert p.exitcode == 0
+    assert shared[1] == 0
+    p = mp.Process(target=write_first, args=(shared[1:], out))  # a writable view stays writable
+    p.start()
+    assert out.get(timeout=60) == "written"
+    p.join(60)
+    assert shared[1] == 99
+    with pytest.raises(forksafe.InvalidArgumentError, match="order"):
+        mp.shared_ndarray(3, order="K")
+
+
 def ack_after_dropping(q, out):
     while True:
         t = q.get(timeout=30)

@@ -141,9 +141,10 @@ def _forksafe_tensor_of_array(arr):
     return None
 
 
-def shared_ndarray(shape, dtype="float64"):
-    """A new numpy array in forksafe's shared memory (zeros): a process it is sent to (Queue,
-    Pipe, Process argument) writes into the very same memory."""
+def shared_ndarray(shape, dtype="float64", order="C"):
+    """A new numpy array in forksafe's shared memory (zeros), in row-major ("C") or column-major
+    ("F") order: a process it is sent to (Queue, Pipe, Process argument) writes into the very
+    same memory."""
     np = _numpy() or __import__("numpy")
     dtype = np.dtype(dtype)
     if dtype.hasobject:
@@ -153,7 +154,9 @@ def shared_ndarray(shape, dtype="float64"):
     t = _mp.shared_empty([max(nbytes, 1)], "uint8")
     buf = np.asarray(t)
     buf[:] = 0
-    return np.ndarray(shape, dtype=dtype, buffer=buf, offset=0)
+    if order not in ("C", "F"):
+        raise InvalidArgumentError(f"shared_ndarray: order must be 'C' or 'F', not {order!r}")
+    return np.ndarray(shape, dtype=dtype, buffer=buf, offset=0, order=order)
 
 
 def release_cached_memory():
@@ -193,7 +196,10 @@ def share_memory(obj):
     if np is not None and isinstance(obj, np.ndarray):
         if _forksafe_tensor_of_array(obj) is not None:
             return obj
-        out = shared_ndarray(obj.shape, obj.dtype)
+        # A column-major array stays column-major (as pickling keeps it); any other layout
+        # (a broadcast or a strided view) becomes a compact row-major copy, as in pickling.
+        fortran = obj.flags.f_contiguous and not obj.flags.c_contiguous
+        out = shared_ndarray(obj.shape, obj.dtype, "F" if fortran else "C")
         out[...] = obj
         return out
     raise InvalidArgumentError(
@@ -478,6 +484,9 @@ class _Pickler(pickle.Pickler):
                 fs = _forksafe_tensor_of_array(obj)
             offset = obj.__array_interface__["data"][0] - fs.data_ptr()
             dtype = obj.dtype.str if obj.dtype.fields is None else obj.dtype  # fields travel
+            if not obj.flags.writeable:  # a read-only view arrives read-only
+                return _load_item, ("N", self._add_tensor(fs), dtype, obj.shape, obj.strides,
+                                    offset, False)
             return _load_item, ("N", self._add_tensor(fs), dtype, obj.shape, obj.strides, offset)
         torch = _torch or _torch_module()
         if torch is not None and isinstance(obj, torch.Tensor):
@@ -564,10 +573,13 @@ def _load_item(kind, *args):
     if kind == "P":
         return _rebuild_torch(tensors[args[0]], *args[1:])
     if kind == "N":
-        i, dtype, shape, strides, offset = args
+        i, dtype, shape, strides, offset = args[:5]
         np = _numpy() or __import__("numpy")
-        return np.ndarray(shape, dtype=np.dtype(dtype), buffer=np.asarray(tensors[i]),
-                          offset=offset, strides=strides)
+        arr = np.ndarray(shape, dtype=np.dtype(dtype), buffer=np.asarray(tensors[i]),
+                         offset=offset, strides=strides)
+        if len(args) > 5 and not args[5]:
+            arr.flags.writeable = False
+        return arr
     if kind in ("O", "R"):
         cls, data, first, n, extra = args
         taken = fds[first:first + n]
