@@ -6,12 +6,14 @@ message says what was wrong and what to do. Where Python has a built-in exceptio
 situation, the class derives from it too, so ``except ValueError`` or ``except TimeoutError``
 catch what a Python user expects them to catch.
 """
+import errno as _errno
 
 __all__ = [
     "Error", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
     "FailedPreconditionError", "ForkPoisonedError", "UnavailableError",
     "ResourceExhaustedError", "DeadlineExceededError", "CancelledError", "ClosedError",
-    "OwnerDiedError", "ProcessFailedError", "InternalError", "BY_CODE",
+    "OwnerDiedError", "ProcessFailedError", "InternalError", "NotOwnedError", "PeerClosedError",
+    "OverReleasedError", "InvalidTypeError", "BY_CODE",
 ]
 
 
@@ -82,6 +84,16 @@ class ClosedError(Error, EOFError, ValueError):
     code = "closed"
 
 
+class PeerClosedError(ClosedError, BrokenPipeError):
+    """send() on a Connection whose peer closed its end: also a BrokenPipeError (errno EPIPE),
+    which multiprocessing raises there. Its code is "closed"."""
+
+    def __init__(self, message="", code=None):
+        super().__init__(message, code)
+        self.errno = _errno.EPIPE
+        self.strerror = "Broken pipe"
+
+
 class OwnerDiedError(Error, RuntimeError):
     """The process holding a shared lock died; the state it guarded may be inconsistent."""
     code = "owner_died"
@@ -97,6 +109,24 @@ class InternalError(Error, RuntimeError):
     code = "internal"
 
 
+class NotOwnedError(FailedPreconditionError, ValueError, AssertionError):
+    """A Lock or RLock released, or a Condition waited on or notified, by a thread that does not
+    hold the lock. Also a ValueError (multiprocessing's Lock.release raises one) and an
+    AssertionError (its RLock.release and Condition do). Its code is "failed_precondition"."""
+
+
+class OverReleasedError(FailedPreconditionError, ValueError):
+    """A BoundedSemaphore released above its initial value, or JoinableQueue.task_done() called
+    more times than items were put: also the ValueError multiprocessing raises."""
+
+
+class InvalidTypeError(InvalidArgumentError, TypeError):
+    """An argument of a type that cannot be used (an unknown typecode of Value or Array): also
+    the TypeError multiprocessing raises."""
+
+
+# One class per code; the four above are raised by the Python layer where multiprocessing's
+# exception for the situation is more specific than the code's.
 BY_CODE = {cls.code: cls for cls in (
     InvalidArgumentError, NotFoundError, AlreadyExistsError, FailedPreconditionError,
     ForkPoisonedError, UnavailableError, ResourceExhaustedError, DeadlineExceededError,

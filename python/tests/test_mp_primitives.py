@@ -625,3 +625,78 @@ def test_bad_arguments_of_the_primitives_are_clear_errors():
         fresh.set_start_method("fork")
     fresh.set_start_method("fork", force=True)
     assert fresh.get_start_method() == "fork"
+
+
+def _raises(f):
+    try:
+        f()
+    except Exception as e:  # noqa: BLE001 (the type is what is compared)
+        return e
+    return None
+
+
+def _other_thread_releases(lib):
+    r = lib.RLock()
+    r.acquire()
+    got = []
+    t = threading.Thread(target=lambda: got.append(_raises(r.release)))
+    t.start()
+    t.join(30)
+    r.release()
+    return got[0]
+
+
+def _send_to_closed_peer(lib):
+    a, b = lib.Pipe()
+    b.close()
+    return _raises(lambda: a.send(1))
+
+
+def _send_bytes_to_closed_peer(lib):
+    a, b = lib.Pipe()
+    b.close()
+    return _raises(lambda: a.send_bytes(b"x"))
+
+
+def _over_release(lib):
+    s = lib.BoundedSemaphore(1)
+    return _raises(s.release)
+
+
+def _task_done(lib):
+    q = lib.JoinableQueue()
+    return _raises(q.task_done)
+
+
+MISUSES = {
+    "Lock.release unheld": lambda lib: _raises(lib.Lock().release),
+    "RLock.release unheld": lambda lib: _raises(lib.RLock().release),
+    "RLock.release by another thread": _other_thread_releases,
+    "Condition.wait unheld": lambda lib: _raises(lambda: lib.Condition().wait(0.01)),
+    "Condition.notify unheld": lambda lib: _raises(lib.Condition().notify),
+    "Condition.notify_all unheld": lambda lib: _raises(lib.Condition().notify_all),
+    "send to a closed peer": _send_to_closed_peer,
+    "send_bytes to a closed peer": _send_bytes_to_closed_peer,
+    "BoundedSemaphore over-release": _over_release,
+    "task_done too many": _task_done,
+    "Value of an unknown typecode": lambda lib: _raises(lambda: lib.Value("zz", 1)),
+    "Array of an unknown typecode": lambda lib: _raises(lambda: lib.Array("zz", 3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISUSES))
+def test_misuse_raises_what_multiprocessing_raises_and_a_forksafe_error(case):
+    """Code written for multiprocessing catches what it caught there (ValueError from
+    Lock.release, AssertionError from RLock and Condition, BrokenPipeError from send, TypeError
+    from a typecode); every one is also a forksafe.Error carrying the C++ code."""
+    import multiprocessing
+    theirs = MISUSES[case](multiprocessing)
+    ours = MISUSES[case](mp)
+    assert theirs is not None and ours is not None, (theirs, ours)
+    for cls in type(theirs).__mro__:
+        if cls not in (object, BaseException, Exception, ConnectionError):
+            assert isinstance(ours, cls), f"{case}: {type(ours).__mro__} is not a {cls}"
+    assert isinstance(ours, forksafe.Error), type(ours).__mro__
+    assert ours.code in ("failed_precondition", "closed", "invalid_argument"), ours.code
+    if isinstance(theirs, OSError):
+        assert ours.errno == theirs.errno

@@ -8,6 +8,7 @@ whose other end is closed raises EOFError (forksafe.ClosedError is one).
 from multiprocessing.connection import Client, Listener, wait  # noqa: F401 (their names here)
 
 from .. import _forksafe
+from ..errors import ClosedError, PeerClosedError
 from .reduction import Shareable, close_fds, dumps, loads
 
 _mp = _forksafe.mp
@@ -31,6 +32,8 @@ class Connection(Shareable):
         data, tensors, fds = dumps(obj)
         try:
             self._handle.send(data, tensors, fds)
+        except ClosedError as e:
+            raise _closed_on_send(self, e) from None
         finally:
             close_fds(fds)
 
@@ -47,7 +50,10 @@ class Connection(Shareable):
         end = len(view) if size is None else offset + size
         if size is not None and (size < 0 or end > len(view)):
             raise ValueError("size is negative or the slice ends past the buffer")
-        self._handle.send_bytes(bytes(view[offset:end]))
+        try:
+            self._handle.send_bytes(bytes(view[offset:end]))
+        except ClosedError as e:
+            raise _closed_on_send(self, e) from None
 
     def recv_bytes(self, maxlength=None):
         """Receives one message's bytes; OSError when it is longer than `maxlength`."""
@@ -94,6 +100,14 @@ class Connection(Shareable):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _closed_on_send(conn, e):
+    # The peer closed its end: a BrokenPipeError too, as multiprocessing raises. This end closed:
+    # the ClosedError as it is.
+    if isinstance(e, PeerClosedError) or conn._handle.closed:
+        return e
+    return PeerClosedError(e.message)
 
 
 def _wrap(handle):

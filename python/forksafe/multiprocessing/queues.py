@@ -14,7 +14,7 @@ Empty and Full are queue.Empty and queue.Full, as in multiprocessing.
 from queue import Empty, Full  # noqa: F401 (multiprocessing.queues has them too)
 
 from .. import _forksafe
-from ..errors import FailedPreconditionError, ResourceExhaustedError
+from ..errors import FailedPreconditionError, OverReleasedError, ResourceExhaustedError
 from .reduction import Shareable, close_fds, dumps, loads
 
 _mp = _forksafe.mp
@@ -119,7 +119,7 @@ class JoinableQueue(Queue):
         try:
             self._handle.task_done()
         except FailedPreconditionError as e:
-            raise ValueError(f"task_done() called too many times: {e}") from None
+            raise OverReleasedError(f"task_done() called too many times: {e.message}") from None
 
     def join(self, timeout=None):
         """Blocks until every item put has been task_done(); with a timeout, returns False when

@@ -15,6 +15,7 @@ inherited by forked ones, and is freed when the last process lets go.
 import ctypes
 
 from .. import _forksafe
+from ..errors import InvalidTypeError
 from .reduction import Shareable
 from .synchronize import Lock, RLock
 
@@ -38,14 +39,14 @@ def _ctype(typecode_or_type):
         try:
             return typecode_to_type[typecode_or_type]
         except KeyError:
-            raise ValueError(f"unknown typecode {typecode_or_type!r}; use one of "
-                             f"{''.join(typecode_to_type)} or a ctypes type") from None
+            raise InvalidTypeError(f"unknown typecode {typecode_or_type!r}; use one of "
+                                   f"{''.join(typecode_to_type)} or a ctypes type") from None
     if isinstance(typecode_or_type, type) and issubclass(typecode_or_type, ctypes._SimpleCData):
         return typecode_or_type
     if isinstance(typecode_or_type, type) and issubclass(
             typecode_or_type, (ctypes.Structure, ctypes.Array)):
         return typecode_or_type
-    raise TypeError(f"{typecode_or_type!r} is neither a typecode nor a ctypes type")
+    raise InvalidTypeError(f"{typecode_or_type!r} is neither a typecode nor a ctypes type")
 
 
 class _Block(Shareable):

@@ -13,13 +13,20 @@ import threading
 import time
 
 from .. import _forksafe
-from ..errors import DeadlineExceededError, FailedPreconditionError
+from ..errors import (DeadlineExceededError, FailedPreconditionError, NotOwnedError,
+                      OverReleasedError)
 from .reduction import Shareable
 
 _mp = _forksafe.mp
 
 __all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Condition", "Event", "Barrier"]
 
+
+
+def _not_owned(e):
+    # The lock's misuse as multiprocessing reports it (ValueError, AssertionError), kept a
+    # forksafe.FailedPreconditionError with the C++ message.
+    return NotOwnedError(e.message)
 
 class _Acquirable(Shareable):
     """acquire(block, timeout) and the context manager, over a handle with acquire/release."""
@@ -44,8 +51,12 @@ class _LockBase(_Acquirable):
         self._handle = self._handle_type()()
 
     def release(self):
-        """Gives the lock back; the caller must hold it (forksafe.FailedPreconditionError)."""
-        self._handle.release()
+        """Gives the lock back; the caller must hold it (forksafe.NotOwnedError: also the
+        ValueError and AssertionError that multiprocessing raises)."""
+        try:
+            self._handle.release()
+        except FailedPreconditionError as e:
+            raise _not_owned(e) from None
 
     def previous_owner_died(self):
         """True when the last acquire took the lock from a process that died holding it."""
@@ -110,7 +121,8 @@ class BoundedSemaphore(Semaphore):
         try:
             self._handle.release(n)
         except FailedPreconditionError as e:
-            raise ValueError(f"BoundedSemaphore released too many times: {e}") from None
+            raise OverReleasedError(f"BoundedSemaphore released too many times: {e.message}") \
+                from None
 
 
 class Condition(_Acquirable):
@@ -131,12 +143,21 @@ class Condition(_Acquirable):
         return _mp.Condition
 
     def release(self):
-        self._handle.release()
+        try:
+            self._handle.release()
+        except FailedPreconditionError as e:
+            raise _not_owned(e) from None
 
     def wait(self, timeout=None):
         """Releases the lock, waits for a notify (at most `timeout`), takes the lock again.
-        Returns False when the timeout ran out."""
-        return self._handle.wait(timeout)
+        Returns False when the timeout ran out. The caller must hold the lock
+        (forksafe.NotOwnedError)."""
+        try:
+            return self._handle.wait(timeout)
+        except NotOwnedError:
+            raise
+        except FailedPreconditionError as e:
+            raise _not_owned(e) from None
 
     def wait_for(self, predicate, timeout=None):
         """Waits until predicate() is true (checked under the lock) or `timeout` runs out;
@@ -155,10 +176,16 @@ class Condition(_Acquirable):
         return result
 
     def notify(self, n=1):
-        self._handle.notify(n)
+        try:
+            self._handle.notify(n)
+        except FailedPreconditionError as e:
+            raise _not_owned(e) from None
 
     def notify_all(self):
-        self._handle.notify_all()
+        try:
+            self._handle.notify_all()
+        except FailedPreconditionError as e:
+            raise _not_owned(e) from None
 
 
 class Event(Shareable):
