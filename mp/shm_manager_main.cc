@@ -8,9 +8,9 @@
 //
 // Guarantees
 //   Started by the library with --forksafe-shm-manager, it is the manager (InitMain runs it and
-//   never returns); it runs no other of the library's roles. Started any other way it does nothing, says what it is on stderr and exits
-//   with status 2. It links forksafe statically: it needs no libforksafe.so at run time, so one
-//   program serves every copy of the library of this version.
+//   never returns); it runs no other of the library's roles. Started any other way it does nothing,
+//   says what it is on stderr and exits with status 2. It links forksafe statically: it needs no
+//   libforksafe.so at run time, so one program serves every copy of the library of this version.
 
 #include <cstdio>
 #include <cstring>

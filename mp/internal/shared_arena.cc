@@ -1,3 +1,7 @@
+// mp/internal/shared_arena.cc: the shared arena's allocating side: creating segments, handing
+// out and taking back blocks, the caches (free blocks, lingering and large segments, the recently
+// imported), and the arena across fork. Importing and exporting are in segment_import.cc; what
+// both use is in arena_segment.h; the rules are in shared_arena.h.
 #include "forksafe/mp/internal/shared_arena.h"
 
 #include <fcntl.h>
@@ -17,6 +21,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "forksafe/mp/internal/arena_segment.h"
 #include "forksafe/mp/internal/shared_segment.h"
 #include "forksafe/mp/internal/shm_manager.h"
 #include "forksafe/runtime/at_fork.h"
@@ -32,32 +37,14 @@ namespace {
 using runtime::Error;
 using runtime::ErrorCode;
 
-constexpr uint32_t kBlockMagic = 0x424c4b31;  // "BLK1"
-constexpr size_t kHeaderBytes = 4096;         // segment header page
-constexpr size_t kBlockHeader = 64;
-constexpr size_t kAlign = 64;
-constexpr size_t kMinSegment = size_t{4} << 20;
-constexpr size_t kMaxSegment = size_t{64} << 20;
-constexpr size_t kDedicatedAbove = size_t{16} << 20;  // bigger blocks get a segment of their own
-// The large-segment cache (see the header's "Large segments"): at most this many bytes by default,
-// never more than kLargeCacheShare of the memory the system could give with the cache empty, and a
-// cached segment serves a request only if it is at most kLargeReuseSlack times the request's size.
-constexpr size_t kDefaultLargeCacheBytes = size_t{256} << 20;
-constexpr size_t kLargeCacheShare = 4;  // a quarter
-constexpr size_t kLargeReuseSlack = 2;
-
-struct BlockHeader {
-  uint32_t magic;
-  std::atomic<int32_t> refs;
-  uint64_t size;  // usable bytes after the header
-};
-
 // Size classes: powers of two from 64 B, then 1 MiB steps... keep it simple: powers of two.
 size_t SizeClass(size_t n) {
   size_t c = kAlign;
   while (c < n) c <<= 1;
   return c;
 }
+
+}  // namespace
 
 [[noreturn]] void ThrowNoSpace(int err, size_t bytes, SegmentKind kind) {
   if (err == EMFILE || err == ENFILE) {
@@ -77,88 +64,7 @@ size_t SizeClass(size_t n) {
                            " bytes of shared memory; free shared tensors or lower batch sizes"));
 }
 
-}  // namespace
-
-// A mapped segment. Created by this process (owned) or imported.
-class Segment {
- public:
-  SegmentKind kind;
-  FileDescriptor fd;  // kept so the segment can be exported again
-  std::string name;   // kNamed
-  char* base = nullptr;
-  size_t size = 0;
-  uint64_t id = 0;
-  bool owned = false;
-  uint64_t generation = 0;  // runtime::ForkGeneration() when it was created
-  // Allocation state (owned segments only), guarded by the arena's mutex.
-  size_t bump = kHeaderBytes;
-  int live_blocks = 0;
-  // Every reference left is in flight in a queue that no longer exists (EmptyCache found it).
-  bool only_dead_refs = false;
-  // A dedicated segment of this process's that is on the arena's `lingering` list.
-  bool lingering = false;
-  bool dedicated = false;  // holds one block (set where it was created)
-  // A dedicated memfd segment that may go on the large-segment cache when its block is freed here
-  // (set where it was created, never changed); `in_large_cache` while it is there (under mu).
-  bool cacheable = false;
-  bool in_large_cache = false;
-
-  ~Segment() {
-    // A named segment is unlinked by its creator when no reference to any of its blocks is left
-    // anywhere (none in flight in a live queue either); a dedicated one also by whichever process
-    // drops its count to zero (~SharedBlock), and the shm manager unlinks what is left after the
-    // creator's death (the lifetime rule of mp/internal/shm_manager.h).
-    // A creation that failed half-way (base not mapped yet) is unlinked at once.
-    if (OwnedHere() && kind == SegmentKind::kNamed && !name.empty() &&
-        (base == nullptr || header()->live_refs.load() == 0 || only_dead_refs)) {
-      shm_unlink(name.c_str());
-    }
-    if (base != nullptr) munmap(base, size);
-  }
-  // Created by this very process (not inherited from the parent): only then may it hand out
-  // blocks, and unlink its name.
-  bool OwnedHere() const { return owned && generation == runtime::ForkGeneration(); }
-  SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base); }
-  BlockHeader* block(uint64_t offset) const {
-    return reinterpret_cast<BlockHeader*>(base + offset - kBlockHeader);
-  }
-};
-
-// The allocator's state, all under mu. (A Segment's own bookkeeping, live_blocks and
-// lingering, is changed under the arena's mu too; it is not annotated, being another object's.)
-struct SharedArena::Impl {
-  runtime::internal::Mutex mu;
-  std::vector<std::shared_ptr<Segment>> owned FORKSAFE_GUARDED_BY(mu);  // this process's segments
-  // Dedicated named segments of this process whose last block here was dropped while references
-  // remained elsewhere (in flight, or in other processes): kept until those go (the process that
-  // drops the count to zero unlinks the name) or are found dead (EmptyCache), so that such a
-  // segment is never left in /dev/shm for the creator's lifetime.
-  std::vector<std::shared_ptr<Segment>> lingering FORKSAFE_GUARDED_BY(mu);
-  std::map<size_t, std::vector<std::pair<std::weak_ptr<Segment>, uint64_t>>> free_bins
-      FORKSAFE_GUARDED_BY(mu);
-  // freed here, held elsewhere
-  std::deque<std::pair<std::weak_ptr<Segment>, uint64_t>> pending FORKSAFE_GUARDED_BY(mu);
-  std::set<std::pair<const Segment*, uint64_t>> pending_set FORKSAFE_GUARDED_BY(mu);  // `pending`'s
-  // every segment mapped here, by key
-  std::map<std::string, std::weak_ptr<Segment>> imported FORKSAFE_GUARDED_BY(mu);
-  // The segments imported most recently, kept mapped even when no block of theirs is alive, so
-  // that a consumer receiving tensor after tensor from one segment does not map and unmap it
-  // each time.
-  std::deque<std::shared_ptr<Segment>> recent FORKSAFE_GUARDED_BY(mu);
-  size_t next_segment FORKSAFE_GUARDED_BY(mu) = kMinSegment;
-  // Dedicated memfd segments whose block was freed here, kept mapped and faulted for the next
-  // large block, oldest first ("Large segments" in the header); their bytes, and the bound.
-  std::deque<std::shared_ptr<Segment>> large_cache FORKSAFE_GUARDED_BY(mu);
-  size_t large_cached_bytes FORKSAFE_GUARDED_BY(mu) = 0;
-  size_t large_cache_limit FORKSAFE_GUARDED_BY(mu) = kDefaultLargeCacheBytes;
-  ArenaStats stats FORKSAFE_GUARDED_BY(mu);
-};
-
 namespace {
-
-std::string SegmentKey(SegmentKind kind, uint64_t id) {
-  return absl::StrCat(static_cast<int>(kind), ":", id);
-}
 
 // Reserves a new segment's memory now, so that a full tmpfs or a memory limit is an error here,
 // not a SIGBUS at first touch: by reading every page in through the creator's mapping
@@ -609,123 +515,6 @@ std::shared_ptr<SharedBlock> SharedArena::Allocate(size_t bytes, SegmentKind kin
   return make(seg, off);
 }
 
-void CheckHandle(const SharedBlock::Handle& h) {
-  auto malformed = [](const char* why) {
-    return Error(ErrorCode::kInvalidArgument, absl::StrCat("malformed tensor handle: ", why));
-  };
-  switch (h.kind) {
-    case SegmentKind::kMemfd:
-      if (!h.fd) throw malformed("no descriptor");
-      return;
-    case SegmentKind::kNamed:
-      if (h.name.rfind("/forksafe_", 0) != 0 || h.name.find('/', 1) != std::string::npos ||
-          h.name.size() > 255 || h.name.find('\0') != std::string::npos) {
-        throw malformed("bad segment name");
-      }
-      return;
-  }
-  throw malformed("unknown segment kind");
-}
-
-// Builds the page tables of a newly mapped segment now, once, instead of one minor fault per page
-// at the first touch of every tensor (256 faults for a 1 MiB tensor), but only for the pages the
-// segment holds (its data extents, SEEK_DATA / SEEK_HOLE): a sparse segment from a peer (a huge
-// memfd never written) would otherwise be made resident whole, as MAP_POPULATE did. Our own
-// segments are read in whole when created (ReserveSegmentMemory), so they are one extent. At most
-// kMaxPopulatedExtents extents; without MADV_POPULATE_READ (Linux < 5.14) nothing is populated
-// and pages fault in at first touch. Populated for reading: in a shared writable mapping the
-// entries are writable all the same (a later write takes no fault), and populating for writing
-// made this process's first read of each page 7x slower on a VM that pages the guest's page
-// tables (bench/first_read_floor.cc; docs/peers.md, "Workload 3's tail").
-static void PopulateHeldPages(char* base, int fd, size_t size) {
-#ifndef MADV_POPULATE_READ
-  constexpr int MADV_POPULATE_READ = 22;
-#endif
-  constexpr int kMaxPopulatedExtents = 64;
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  off_t pos = 0;
-  for (int n = 0; n < kMaxPopulatedExtents && static_cast<size_t>(pos) < size; ++n) {
-    const off_t data = lseek(fd, pos, SEEK_DATA);
-    if (data < 0) return;  // ENXIO: no data after pos (or no SEEK_DATA: nothing populated)
-    off_t hole = lseek(fd, data, SEEK_HOLE);
-    if (hole < 0 || static_cast<size_t>(hole) > size) hole = static_cast<off_t>(size);
-    const size_t from = static_cast<size_t>(data) / page * page;
-    const size_t to = static_cast<size_t>(hole);
-    if (to > from && madvise(base + from, to - from, MADV_POPULATE_READ) != 0 && errno == EINVAL) {
-      return;  // the kernel has no MADV_POPULATE_READ
-    }
-    pos = hole;
-  }
-}
-
-void CheckBlockPlacement(uint64_t offset, uint64_t size, uint64_t segment_size) {
-  if (offset < kHeaderBytes + kBlockHeader || offset > segment_size ||
-      size > segment_size - offset || offset % kAlign != 0) {
-    throw Error(ErrorCode::kInvalidArgument,
-                absl::StrCat("malformed tensor handle: block outside its segment (offset ", offset,
-                             ", ", size, " bytes, in a segment of ", segment_size, " bytes)"));
-  }
-}
-
-std::shared_ptr<SharedBlock> SharedArena::Import(SharedBlock::Handle h) {
-  auto malformed = [](const char* why) {
-    return Error(ErrorCode::kInvalidArgument, absl::StrCat("malformed tensor handle: ", why));
-  };
-  CheckHandle(h);
-  Impl& a = *impl_;
-  runtime::internal::MutexLock lk(&a.mu);
-  const std::string key = SegmentKey(h.kind, h.segment_id);
-  std::shared_ptr<Segment> seg;
-  if (auto it = a.imported.find(key); it != a.imported.end()) seg = it->second.lock();
-  if (!seg) {
-    for (auto& s : a.owned) {  // our own segment coming back (put and get in one process)
-      if (s->kind == h.kind && s->id == h.segment_id) seg = s;
-    }
-  }
-  if (!seg) {
-    seg = std::make_shared<Segment>();
-    seg->kind = h.kind;
-    int fd = -1;
-    if (h.kind == SegmentKind::kMemfd) {
-      fd = h.fd.owned() ? h.fd.release() : FileDescriptor::Dup(h.fd.get()).release();
-    } else {
-      fd = shm_open(h.name.c_str(), O_RDWR | O_CLOEXEC, 0600);
-      if (fd < 0) {
-        throw Error(ErrorCode::kNotFound,
-                    absl::StrCat("shared segment ", h.name,
-                                 " no longer exists: every process that held it let go before "
-                                 "this one opened it"));
-      }
-      seg->name = h.name;
-    }
-    seg->fd.reset(fd);
-    struct stat st;
-    if (fstat(fd, &st) != 0 || st.st_size < static_cast<off_t>(kHeaderBytes)) {
-      throw malformed("segment too small");
-    }
-    seg->size = static_cast<size_t>(st.st_size);
-    void* p = mmap(nullptr, seg->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) ThrowNoSpace(errno, seg->size, h.kind);
-    seg->base = static_cast<char*>(p);
-    PopulateHeldPages(seg->base, fd, seg->size);
-    if (seg->header()->magic != kSegmentMagic || seg->header()->id != h.segment_id) {
-      throw malformed("not a forksafe segment");
-    }
-    seg->id = h.segment_id;
-    a.imported[key] = seg;
-    ++a.stats.segments_mapped;
-    a.recent.push_back(seg);
-    if (a.recent.size() > 16) a.recent.pop_front();
-  }
-  CheckBlockPlacement(h.offset, h.size, seg->size);
-  BlockHeader* b = seg->block(h.offset);
-  if (b->magic != kBlockMagic || h.size > b->size) throw malformed("not a block");
-  // Adopt the in-flight reference the exporter took for us: it is ours now, not the queue's.
-  DropCarrierRef(seg->header(), h.carrier);
-  return std::shared_ptr<SharedBlock>(
-      new SharedBlock(seg, h.offset, seg->base + h.offset, static_cast<size_t>(h.size), false));
-}
-
 void SharedArena::EmptyCache() {
   // The counts are taken under the lock, then /proc is scanned without it (a scan takes
   // milliseconds per process; holding the lock would stall every allocation and free, and the
@@ -842,44 +631,6 @@ SharedBlock::~SharedBlock() {
   } else if (a.pending_set.insert(id).second) {
     a.pending.push_back({seg_, offset_});  // others still hold it: check again later
   }
-}
-
-std::string SharedBlock::key() const { return absl::StrCat(seg_->id, "@", offset_); }
-
-int32_t SharedBlock::shared_count() const { return seg_->block(offset_)->refs.load(); }
-
-namespace {
-// Undoes Export() for a message that was never put (InFlightScope::OnCancel).
-void GiveBackInFlight(void* segment, uint64_t offset, uint64_t carrier) {
-  auto* seg = static_cast<Segment*>(segment);
-  DropCarrierRef(seg->header(), carrier);
-  seg->block(offset)->refs.fetch_sub(1);
-  seg->header()->live_refs.fetch_sub(1);
-}
-}  // namespace
-
-SharedBlock::Handle SharedBlock::Export() const {
-  Handle h;
-  h.kind = seg_->kind;
-  if (h.kind == SegmentKind::kMemfd) {
-    // Borrowed: the codec duplicates it into the message (once per message, however many tensors
-    // of this segment the message holds).
-    h.fd = FileDescriptor::Borrow(seg_->fd.get());
-  } else {
-    h.name = seg_->name;
-  }
-  h.segment_id = seg_->id;
-  h.offset = offset_;
-  h.size = size_;
-  seg_->block(offset_)->refs.fetch_add(1);  // the in-flight reference
-  seg_->header()->live_refs.fetch_add(1);
-  if (InFlightScope* scope = InFlightScope::Current()) {
-    h.carrier = scope->carrier();
-    AddCarrierRef(seg_->header(), h.carrier);
-    // Given back if the message is never put (the scope is not committed).
-    scope->OnCancel(seg_, &GiveBackInFlight, offset_);
-  }
-  return h;
 }
 
 }  // namespace forksafe::mp::internal

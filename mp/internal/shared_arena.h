@@ -209,7 +209,7 @@ class SharedArena {
   std::unique_lock<std::mutex> LockForTesting();
 
  public:
-  struct Impl;  // defined in shared_arena.cc
+  struct Impl;  // defined in arena_segment.h
 
  private:
   SharedArena();
