@@ -115,6 +115,11 @@ void DeleteWithNotice(DLManagedTensor* self) {
   if (original->deleter != nullptr) original->deleter(original);
   if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
   const PyGILState_STATE gil = PyGILState_Ensure();
+  // torch frees a tensor at any point, also while an exception is being raised (a rebuild that
+  // failed, an operator's TypeError): the callback must neither see nor clear that exception,
+  // or the caller returns NULL with none set (SystemError in place of the real error).
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
   PyObject* result = PyObject_CallNoArgs(callback);
   if (result == nullptr) {
     PyErr_WriteUnraisable(callback);
@@ -122,6 +127,7 @@ void DeleteWithNotice(DLManagedTensor* self) {
     Py_DECREF(result);
   }
   Py_DECREF(callback);
+  PyErr_Restore(type, value, traceback);
   PyGILState_Release(gil);
 }
 

@@ -719,3 +719,40 @@ def test_sparse_and_quantized_tensors_cross_as_copies(method):
         dense = out.get(timeout=30)
         assert torch.equal(dense, t.to_dense() if t.is_sparse else t.dequantize())
     assert finish([p]) == [0]
+
+
+class _FailsToRebuild:
+    def __reduce__(self):
+        return (_FailsToRebuild.rebuild, ())
+
+    @staticmethod
+    def rebuild():
+        raise ValueError("cannot rebuild")
+
+
+def put_tensor_then(q, done, extra):
+    q.put([torch.ones(4), extra] if extra is not None else torch.ones(4))
+    done.wait(30)
+
+
+@pytest.mark.parametrize("case", ["a rebuild raises", "an operator raises"])
+def test_a_received_tensor_freed_while_an_exception_is_raised_keeps_that_exception(case):
+    """A received tensor's release notice ran Python code that cleared the exception being
+    raised: the caller got SystemError ("returned NULL without setting an exception") instead of
+    the ValueError of a failed rebuild or torch's TypeError."""
+    q, done = mp.Queue(), mp.Event()
+    extra = _FailsToRebuild() if case == "a rebuild raises" else None
+    p = mp.Process(target=put_tensor_then, args=(q, done, extra))
+    p.start()
+    try:
+        if case == "a rebuild raises":
+            with pytest.raises(ValueError, match="cannot rebuild"):
+                q.get(timeout=60)
+        else:
+            with pytest.raises(TypeError, match="Tensor"):
+                torch.stack([q.get(timeout=60), "not a tensor"])
+    finally:
+        done.set()
+        p.join(60)
+    q.put("next")
+    assert q.get(timeout=5) == "next"
