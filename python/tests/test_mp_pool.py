@@ -404,3 +404,70 @@ def test_every_result_arrives_without_waiting_for_the_handlers_poll():
         assert join_within(pool, 30), "close() + join() waited for the handler's poll"
     finally:
         pool.terminate()
+
+
+def slow_on_nine(x):
+    if x == 9:
+        time.sleep(0.3)
+    return x + 1
+
+
+def take(it, n, timeout=30):
+    return [it.next(timeout=timeout) for _ in range(n)]
+
+
+def test_an_imap_whose_input_is_another_imap_of_the_same_pool_ends():
+    """The pool's one thread read imap's input under its lock: an input waiting for results of
+    the same pool (a second stage over the first's results, a generator that submits work)
+    stopped every result from being read (multiprocessing: done in 0.5 s), and terminate() then
+    waited for ever. The input is read by a feeder thread now, without the lock."""
+    with mp.Pool(2) as pool:
+        assert take(pool.imap(square, pool.imap(slow_on_nine, range(10))), 10) == \
+            [(x + 1) ** 2 for x in range(10)]
+
+        def submits():
+            for i in range(3):
+                yield pool.apply_async(square, (i,)).get(timeout=30)
+        assert take(pool.imap(square, submits()), 3) == [0, 1, 16]
+
+
+def test_terminate_returns_while_imaps_input_waits():
+    release = threading.Event()
+
+    def waits():
+        yield 1
+        release.wait(60)
+        yield 2
+    pool = mp.Pool(2)
+    it = pool.imap(square, waits())
+    assert it.next(timeout=30) == 1
+    started = time.monotonic()
+    pool.terminate()
+    took = time.monotonic() - started
+    release.set()
+    pool.join()
+    assert took < 20, f"terminate() took {took:.1f} s"
+
+
+def length(x):
+    return len(x)
+
+
+def test_map_async_and_apply_async_take_their_input_at_the_call():
+    """The chunks were made from the caller's list as workers freed up: clearing it after
+    map_async returned 4 of 40 results without an error; apply_async's arguments were pickled
+    when a worker took them, so a later change reached the worker."""
+    with mp.Pool(1) as pool:
+        blocker = pool.apply_async(time.sleep, (0.3,))
+        batch = list(range(40))
+        r = pool.map_async(square, batch, chunksize=2)
+        args = [1, 2, 3]
+        a = pool.apply_async(length, (args,))
+        batch.clear()
+        args.append(4)
+        assert r.get(timeout=60) == [x * x for x in range(40)]
+        assert a.get(timeout=60) == 3
+        blocker.get(timeout=60)
+        unpicklable = pool.apply_async(length, (threading.Lock(),))
+        with pytest.raises(TypeError):
+            unpicklable.get(timeout=60)

@@ -37,6 +37,13 @@ class Connection(Shareable):
         finally:
             close_fds(fds)
 
+    def _send_dumped(self, data, tensors, fds):
+        # A message pickled beforehand by dumps(); its descriptors stay the caller's to close.
+        try:
+            self._handle.send(data, tensors, fds)
+        except ClosedError as e:
+            raise _closed_on_send(self, e) from None
+
     def recv(self):
         """Receives one object; blocks until a message arrives (EOFError at end of stream)."""
         data, tensors, fds = self._handle.recv(None)

@@ -8,7 +8,12 @@ sentinels. So the parent always knows which chunk each worker holds:
   forksafe.ProcessFailedError (multiprocessing's and torch's Pools wait for ever there), and is
   replaced while the pool runs;
 - imap and imap_unordered read their input lazily: a chunk is taken from the iterable only when
-  a worker is free for it (multiprocessing reads it all up front);
+  the consumer has room for it (multiprocessing reads it all up front). The input is read on a
+  thread of its own (the feeder), never under the pool's lock: an input that waits for this
+  same pool (a second imap over the first's results, a generator that submits work) cannot
+  stop the results from being read, and terminate() never waits for it;
+- map_async and apply_async take their input at the call (a shallow copy of the list; apply's
+  arguments pickled), so the caller may change or clear it afterwards;
 - a worker whose initializer raises fails the pending results with that error and the pool
   stops starting workers (multiprocessing restarts them for ever).
 Arguments and results are pickled by forksafe's pickler: numpy arrays and torch tensors cross
@@ -232,15 +237,55 @@ class IMapIterator:
 
 
 class _Job:
-    """Chunks of one call waiting for workers: (index, chunk) from an iterator."""
+    """Chunks of one call waiting for workers: (index, chunk) from an iterator. A lazy job's
+    (imap) iterator is the caller's: the feeder thread reads it into `buffer`."""
 
-    def __init__(self, result, func, star, chunks):
+    def __init__(self, result, func, star, chunks, lazy=False):
         self.result = result
         self.func = func
         self.star = star
         self.chunks = chunks  # iterator of lists
         self.next_index = 0
         self.retry = collections.deque()  # (index, chunk) to send again
+        self.lazy = lazy
+        self.buffer = collections.deque()  # lazy: (index, chunk) read by the feeder
+        self.feeding = False  # lazy: the feeder is reading its input now (without the lock)
+        self.exhausted = False  # lazy: its input ended (or raised)
+
+
+class _Prepared:
+    """A task pickled when it was submitted (apply_async): what the caller changes afterwards
+    does not reach the worker, as in multiprocessing, whose feeder pickles at once."""
+
+    __slots__ = ("data", "tensors", "fds")
+
+    def __init__(self, task):
+        self.data, self.tensors, self.fds = dumps(task)
+
+    def discard(self):
+        close_fds(self.fds)
+        self.fds = ()
+
+
+class _PreparedChunks:
+    """The one chunk of apply_async, pickled at the call: an iterator over it."""
+
+    def __init__(self, prepared):
+        self._prepared = prepared
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._prepared is None:
+            raise StopIteration
+        p, self._prepared = self._prepared, None
+        return p
+
+    def discard(self):
+        if self._prepared is not None:
+            self._prepared.discard()
+            self._prepared = None
 
 
 class _WorkerSlot:
@@ -285,6 +330,8 @@ class Pool:
         self._broken = None  # the initializer's error
         self._outbox = collections.deque()  # results to deliver, outside self._lock
         self._deliver_lock = threading.RLock()
+        self._feed_cond = threading.Condition(self._lock)  # the feeder waits for room here
+        self._feeder = None  # started with the first imap
         self._workers = []
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)  # a full pipe already wakes the handler
@@ -357,6 +404,8 @@ class Pool:
                 if self._state == _CLOSE and not self._pending and not self._jobs:
                     break
                 self._dispatch_locked()
+                if self._feeder is not None:
+                    self._feed_cond.notify()  # a result taken or a chunk sent: room to read
                 waitables = [self._wake_r]
                 for w in self._workers:
                     waitables.append(w.conn)
@@ -436,6 +485,53 @@ class Pool:
         if self._broken is None and (self._state == _RUN or (self._state == _CLOSE and busy)):
             self._workers.append(self._start_worker())
 
+    # ---- the feeder thread: reads imap's input without the pool's lock ----------------------------
+    def _job_wanting_input_locked(self):
+        for job in self._jobs:
+            if not job.lazy or job.exhausted or job.feeding:
+                continue
+            # While the pool runs, at most 2 * processes chunks are read ahead of the consumer;
+            # after close() the input is read to its end (join waits for it).
+            if self._state == _RUN and job.next_index - job.result._taken >= 2 * self._processes:
+                continue
+            return job
+        return None
+
+    def _feed(self):
+        while True:
+            with self._lock:
+                while True:
+                    if self._state == _TERMINATE:
+                        return
+                    job = self._job_wanting_input_locked()
+                    if job is not None:
+                        break
+                    if self._state == _CLOSE and not any(j.lazy for j in self._jobs):
+                        return
+                    self._feed_cond.wait(self._poll_s)
+                job.feeding = True
+            chunk, end, err = None, False, None
+            try:
+                chunk = next(job.chunks)
+            except StopIteration:
+                end = True
+            except BaseException as e:  # the caller's iterable raised: its chunk fails with it
+                err = e
+            with self._lock:
+                job.feeding = False
+                if job.exhausted or job not in self._jobs:
+                    continue  # failed meanwhile (terminate, an initializer's error)
+                if err is not None:
+                    self._deliver(job.result, job.next_index, False, err)
+                    job.next_index += 1
+                    job.exhausted = True
+                elif end:
+                    job.exhausted = True
+                else:
+                    job.buffer.append((job.next_index, chunk))
+                    job.next_index += 1
+            self._wake()
+
     def _deliver(self, result, index, ok, value):
         # Queued under self._lock, run by _flush without it: callbacks may submit more work.
         self._outbox.append((result, index, ok, value))
@@ -468,8 +564,13 @@ class Pool:
             if job.result.ready() and not isinstance(job.result, IMapIterator):
                 self._jobs.remove(job)  # failed already: skip its other chunks
                 continue
-            if (isinstance(job.result, IMapIterator) and self._state == _RUN
-                    and job.next_index - job.result._taken >= 2 * self._processes):
+            if job.lazy:
+                if job.buffer:
+                    index, chunk = job.buffer.popleft()
+                    return job, index, chunk
+                if job.exhausted and not job.feeding:
+                    self._jobs.remove(job)
+                    self._end_input(job)
                 continue
             try:
                 chunk = next(job.chunks)
@@ -501,7 +602,11 @@ class Pool:
                     return
                 job, index, chunk = picked
                 try:
-                    w.conn.send((job.func, job.star, chunk))
+                    if isinstance(chunk, _Prepared):
+                        w.conn._send_dumped(chunk.data, chunk.tensors, chunk.fds)
+                        chunk.discard()  # sent: its descriptors are the worker's now
+                    else:
+                        w.conn.send((job.func, job.star, chunk))
                 except (OSError, EOFError):  # the worker died idle: another one takes the chunk
                     job.retry.append((index, chunk))
                     if job not in self._jobs:
@@ -526,12 +631,21 @@ class Pool:
                 self._deliver(job.result, index, False, err)
         for job in list(self._jobs):
             while job.retry:
-                self._deliver(job.result, job.retry.popleft()[0], False, err)
+                index, chunk = job.retry.popleft()
+                if isinstance(chunk, _Prepared):
+                    chunk.discard()
+                self._deliver(job.result, index, False, err)
+            while job.buffer:
+                self._deliver(job.result, job.buffer.popleft()[0], False, err)
+            job.exhausted = True
+            if isinstance(job.chunks, _PreparedChunks):
+                job.chunks.discard()
             self._deliver(job.result, job.next_index, False, err)
             job.next_index += 1
             if isinstance(job.result, (MapResult, IMapIterator)):
                 self._deliver(job.result, None, None, job.next_index)
         self._jobs.clear()
+        self._feed_cond.notify_all()
 
     def _job_done(self, result):
         self._pending.discard(result)
@@ -566,15 +680,31 @@ class Pool:
         if self._broken is not None:
             raise self._broken
 
-    def _submit(self, result, func, star, chunks):
+    @staticmethod
+    def _check_func(func):
         # A function that cannot reach the workers (a lambda, a local function) fails here,
         # with forksafe.InvalidArgumentError naming it.
         _, _, fds = dumps(func)
         close_fds(fds)
+
+    def _submit(self, result, func, star, chunks, lazy=False, checked=False):
+        if not checked:
+            self._check_func(func)
         with self._lock:
-            self._check_running()
+            try:
+                self._check_running()
+            except BaseException:
+                if isinstance(chunks, _PreparedChunks):
+                    chunks.discard()
+                raise
             self._pending.add(result)
-            self._jobs.append(_Job(result, func, star, chunks))
+            self._jobs.append(_Job(result, func, star, chunks, lazy))
+            if lazy:
+                if self._feeder is None:
+                    self._feeder = threading.Thread(target=self._feed, daemon=True,
+                                                    name="forksafe-pool-feeder")
+                    self._feeder.start()
+                self._feed_cond.notify()
         self._wake()
         return result
 
@@ -594,7 +724,16 @@ class Pool:
     def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):
         """func(*args, **kwds) in a worker; an ApplyResult."""
         result = ApplyResult(self, callback, error_callback)
-        return self._submit(result, _Call(func, kwds), True, iter([[tuple(args)]]))
+        call = _Call(func, kwds)
+        self._check_func(call)
+        try:
+            task = _Prepared((call, True, [tuple(args)]))
+        except Exception as e:  # an argument that cannot be pickled: the result fails with it
+            with self._lock:
+                self._check_running()
+            result._set(0, False, e)
+            return result
+        return self._submit(result, call, True, _PreparedChunks(task), checked=True)
 
     def apply(self, func, args=(), kwds={}):
         return self.apply_async(func, args, kwds).get()
@@ -606,7 +745,9 @@ class Pool:
         return self._map_async(func, iterable, True, chunksize, callback, error_callback)
 
     def _map_async(self, func, iterable, star, chunksize, callback, error_callback):
-        items = iterable if hasattr(iterable, "__len__") else list(iterable)
+        # A shallow copy, taken now: the caller may clear or refill its list meanwhile (the
+        # chunks are made as workers free up).
+        items = list(iterable)
         if chunksize is None:
             chunksize = self._default_chunksize(len(items))
         if chunksize < 1:
@@ -627,14 +768,14 @@ class Pool:
         if chunksize < 1:
             raise ValueError(f"chunksize must be at least 1, not {chunksize}")
         return self._submit(IMapIterator(self, True), func, False,
-                            self._chunks(iterable, chunksize))
+                            self._chunks(iterable, chunksize), lazy=True)
 
     def imap_unordered(self, func, iterable, chunksize=1):
         """Like imap, in the order results arrive."""
         if chunksize < 1:
             raise ValueError(f"chunksize must be at least 1, not {chunksize}")
         return self._submit(IMapIterator(self, False), func, False,
-                            self._chunks(iterable, chunksize))
+                            self._chunks(iterable, chunksize), lazy=True)
 
     # ---- ending -----------------------------------------------------------------------------
     def close(self):
