@@ -756,3 +756,31 @@ def test_a_received_tensor_freed_while_an_exception_is_raised_keeps_that_excepti
         p.join(60)
     q.put("next")
     assert q.get(timeout=5) == "next"
+
+
+def row_sum(r):
+    return float(r.sum())
+
+
+def test_rows_of_an_unshared_tensor_move_only_their_own_bytes():
+    """Each view of an unshared tensor moved (copied) its whole storage: Pool.map over the 800
+    rows of an 8 MB tensor copied 6.4 GB (20 s, 7.6 GB resident; torch 0.2 s). A view moves
+    only the bytes it spans, with its strides."""
+    from forksafe import _forksafe
+    t = torch.arange(800 * 2500, dtype=torch.float32).reshape(800, 2500)
+    before = _forksafe.mp.arena_stats()["bytes_reserved"]
+    rows = list(t[:200])
+    q = mp.Queue()
+    for r in rows:
+        q.put(r)
+        q.get(timeout=5)
+    grew = _forksafe.mp.arena_stats()["bytes_reserved"] - before
+    assert grew < 64 << 20, f"200 rows of 10 KB reserved {grew >> 20} MiB"
+    assert all(mp.is_shared(r) for r in rows) and rows[7][3] == 7 * 2500 + 3
+    col = t[:, 5]  # a strided view keeps its strides over the span it covers
+    q.put(col)
+    back = q.get(timeout=5)
+    assert col.stride() == (2500,) and back.stride() == (2500,)
+    assert torch.equal(back, torch.arange(800, dtype=torch.float32) * 2500 + 5)
+    with mp.Pool(2) as pool:
+        assert pool.map(row_sum, t) == [float(r.sum()) for r in t]
