@@ -700,3 +700,70 @@ def test_misuse_raises_what_multiprocessing_raises_and_a_forksafe_error(case):
     assert ours.code in ("failed_precondition", "closed", "invalid_argument"), ours.code
     if isinstance(theirs, OSError):
         assert ours.errno == theirs.errno
+
+
+class _OwnsItsProcess:
+    """The common pattern: an object whose own method is its Process's target."""
+
+    def __init__(self, ctx, q):
+        self.q = q
+        self.proc = ctx.Process(target=self.loop)
+
+    def loop(self):
+        self.q.put(("loop ran", self.proc.name))
+
+
+_GETSTATE_SCRIPT = r"""
+import sys, threading
+import forksafe.multiprocessing as mp
+
+
+class Worker(mp.Process):
+    def __init__(self, q):
+        super().__init__()
+        self.q = q
+        self.lock = threading.Lock()  # cannot be pickled: dropped by __getstate__
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        del state["lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
+
+    def run(self):
+        with self.lock:
+            self.q.put("rebuilt")
+
+
+if __name__ == "__main__":
+    mp.set_start_method(sys.argv[1])
+    q = mp.Queue()
+    w = Worker(q)
+    w.start()
+    print(q.get(timeout=60))
+    w.join(60)
+    print("exit", w.exitcode)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_spawned_processes_pickle_as_python_objects_do(method, tmp_path):
+    """A Process reachable from its own target (self.proc = Process(target=self.loop)) raised
+    RecursionError under spawn and forkserver, and a subclass's __getstate__/__setstate__ were
+    ignored (TypeError: cannot pickle '_thread.lock'); multiprocessing runs both."""
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    owner = _OwnsItsProcess(ctx, q)
+    owner.proc.start()
+    assert q.get(timeout=60) == ("loop ran", owner.proc.name)
+    owner.proc.join(60)
+    assert owner.proc.exitcode == 0
+    script = tmp_path / "getstate.py"
+    script.write_text(_GETSTATE_SCRIPT)
+    import subprocess
+    done = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True,
+                          timeout=120, start_new_session=True)
+    assert done.stdout.split() == ["rebuilt", "exit", "0"], done.stdout + done.stderr

@@ -33,28 +33,20 @@ class _ForksafeProcess:
             reduction.close_pending_spawn_fds()
 
     def __reduce__(self):
-        # Only spawn and forkserver pickle a Process (to start it): its state goes through
-        # forksafe's pickler, inside the stdlib's.
+        # Only spawn and forkserver pickle a Process (to start it). The stdlib's pickler meets it
+        # first: the whole Process goes through forksafe's pickler in one piece (spawn_reduce),
+        # where it reduces as any object with state does. So a Process reachable from its own
+        # target or attributes is memoized, not pickled again (a RecursionError before), and a
+        # subclass's __getstate__ / __setstate__ are honoured.
         if _stdlib_context.get_spawning_popen() is None:
             raise TypeError("a Process object is pickled only to start it (spawn, forkserver)")
-        state = dict(self.__dict__)
-        return _rebuild_process, (type(self), _SpawnState(state))
+        if reduction.in_spawn_reduce():
+            return _new_process, (type(self),), self.__getstate__()
+        return reduction.spawn_reduce(self)
 
 
-class _SpawnState:
-    __slots__ = ("state",)
-
-    def __init__(self, state):
-        self.state = state
-
-    def __reduce__(self):
-        return reduction.spawn_reduce(self.state)
-
-
-def _rebuild_process(cls, state):
-    obj = cls.__new__(cls)
-    obj.__dict__.update(state)
-    return obj
+def _new_process(cls):
+    return cls.__new__(cls)
 
 
 class ForkProcess(_ForksafeProcess, _stdlib_context.ForkProcess):

@@ -696,7 +696,11 @@ def spawn_reduce(obj):
     it in the child. Tensors and descriptors travel as descriptors the start method hands to the
     child; they stay open here until Process.start has launched it (close_pending_spawn_fds)."""
     from multiprocessing import reduction as stdlib_reduction
-    data, tensors, fds = dumps(obj)
+    _spawn_local.depth = getattr(_spawn_local, "depth", 0) + 1
+    try:
+        data, tensors, fds = dumps(obj)
+    finally:
+        _spawn_local.depth -= 1
     n_message_fds = len(fds)
     try:
         blobs = []
@@ -714,6 +718,12 @@ def spawn_reduce(obj):
 
 # Per thread: the start() that pickled them (on this thread) closes them once its child has them.
 _spawn_local = threading.local()
+
+
+def in_spawn_reduce():
+    """True while spawn_reduce pickles on this thread (an object met again inside it reduces
+    as itself, through the same pickler and memo)."""
+    return getattr(_spawn_local, "depth", 0) > 0
 
 
 def _pending_spawn_fds():
