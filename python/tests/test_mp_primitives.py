@@ -767,3 +767,44 @@ def test_spawned_processes_pickle_as_python_objects_do(method, tmp_path):
     done = subprocess.run([sys.executable, str(script), method], capture_output=True, text=True,
                           timeout=120, start_new_session=True)
     assert done.stdout.split() == ["rebuilt", "exit", "0"], done.stdout + done.stderr
+
+
+class _Tagged:
+    def __init__(self, tag=None):
+        self.tag = tag
+
+
+def _make_tagged(tag):
+    return _Tagged(tag)
+
+
+class _Untagged:
+    pass
+
+
+def test_a_reducer_replaced_or_removed_is_what_pickles_next():
+    """Reducers were merged into a table cached by the sizes of copyreg's and ForkingPickler's:
+    one replaced (or removed while another was added) kept pickling with the first for good."""
+    import copyreg
+    from multiprocessing.reduction import ForkingPickler
+    q = mp.Queue()
+
+    def round_trip():
+        q.put([_Tagged(), 1])  # through the pickler, not the one-value shortcut
+        return getattr(q.get(timeout=5)[0], "tag", None)
+    try:
+        copyreg.pickle(_Tagged, lambda o: (_make_tagged, ("v1",)))
+        assert round_trip() == "v1"
+        copyreg.pickle(_Tagged, lambda o: (_make_tagged, ("v2",)))
+        assert round_trip() == "v2"
+        del copyreg.dispatch_table[_Tagged]  # removed while another is added: same size
+        copyreg.pickle(_Untagged, lambda o: (_Untagged, ()))
+        assert round_trip() is None
+        ForkingPickler.register(_Tagged, lambda o: (_make_tagged, ("f1",)))
+        assert round_trip() == "f1"
+        ForkingPickler.register(_Tagged, lambda o: (_make_tagged, ("f2",)))
+        assert round_trip() == "f2"
+    finally:
+        copyreg.dispatch_table.pop(_Tagged, None)
+        copyreg.dispatch_table.pop(_Untagged, None)
+        ForkingPickler._extra_reducers.pop(_Tagged, None)

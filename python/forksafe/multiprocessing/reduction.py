@@ -551,22 +551,27 @@ def _dtype_name(dtype):
     return name
 
 
-_dispatch_cache = (None, None)
+_dispatch_cache = ({}, {}, {})
 _ForkingPickler = None
 
 
 def _dispatch_table():
+    """copyreg's reducers with ForkingPickler's on top, merged once and again whenever either
+    changed: compared whole (0.6 us with torch's 78 reducers), since a reducer replaced or
+    removed and another added leaves the sizes as they were (a cache keyed on the sizes kept
+    the first reducer for good)."""
     global _dispatch_cache, _ForkingPickler
     # Imported once, not per message (with _dtype_name: dumps 5.3 -> 4.7 us).
     if _ForkingPickler is None:
         from multiprocessing.reduction import ForkingPickler as _ForkingPickler
     extra = _ForkingPickler._extra_reducers
-    key = (len(copyreg.dispatch_table), len(extra))
-    if _dispatch_cache[0] != key:
-        table = dict(copyreg.dispatch_table)
-        table.update(extra)
-        _dispatch_cache = (key, table)
-    return _dispatch_cache[1]
+    seen_copyreg, seen_extra, table = _dispatch_cache
+    if seen_extra != extra or seen_copyreg != copyreg.dispatch_table or not table:
+        seen_copyreg, seen_extra = dict(copyreg.dispatch_table), dict(extra)
+        table = dict(seen_copyreg)
+        table.update(seen_extra)
+        _dispatch_cache = (seen_copyreg, seen_extra, table)
+    return table
 
 # What the message being unpickled on this thread carries out of band (loads sets it).
 _loading = threading.local()
