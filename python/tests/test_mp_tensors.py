@@ -784,3 +784,29 @@ def test_rows_of_an_unshared_tensor_move_only_their_own_bytes():
     assert torch.equal(back, torch.arange(800, dtype=torch.float32) * 2500 + 5)
     with mp.Pool(2) as pool:
         assert pool.map(row_sum, t) == [float(r.sum()) for r in t]
+
+
+class TaggedTensor(torch.Tensor):
+    pass
+
+
+class MyParameter(torch.nn.Parameter):
+    pass
+
+
+def test_tensor_subclasses_keep_their_class_and_attributes():
+    """A torch.Tensor subclass arrived as a plain Tensor without its attributes, a Parameter's
+    subclass as a plain Tensor (torch.multiprocessing keeps the class and the attributes, and
+    sends a Parameter's subclass as a Parameter)."""
+    q = mp.Queue()
+    t = torch.ones(3).as_subclass(TaggedTensor)
+    t.meta = "A"
+    p = MyParameter(torch.ones(2))
+    empty = torch.empty(0).as_subclass(TaggedTensor)
+    q.put([t, p, empty])
+    got_t, got_p, got_empty = q.get(timeout=5)
+    assert type(got_t) is TaggedTensor and got_t.meta == "A" and got_t.tolist() == [1.0] * 3
+    assert isinstance(got_p, torch.nn.Parameter) and got_p.requires_grad
+    assert type(got_empty) is TaggedTensor and got_empty.shape == (0,)
+    got_t[0] = 5  # the same shared memory
+    assert t[0] == 5

@@ -438,6 +438,15 @@ def _torch_dtype(torch, name):
     return dtype
 
 
+def _rebuild_subclass(cls, state, rebuild, args):
+    t = rebuild(*args)
+    if cls is not None:
+        t = t.as_subclass(cls)
+    if state:
+        t.__dict__.update(state)
+    return t
+
+
 def _with_grad(torch, t, requires_grad, parameter):
     # A rebuilt tensor as it was sent: an nn.Parameter, or requiring grad, or plain.
     if parameter:
@@ -531,12 +540,23 @@ class _Pickler(pickle.Pickler):
             raise InvalidArgumentError(
                 "a torch tensor that requires grad and is not a leaf cannot cross processes "
                 "(its graph stays here); send tensor.detach()")
+        cls = type(obj)
+        plain = cls is torch.Tensor or cls is torch.nn.Parameter
+        parameter = cls is torch.nn.Parameter or (not plain and
+                                                  isinstance(obj, torch.nn.Parameter))
         if obj.numel() == 0:  # no memory to share (its address may be null): the shape crosses
-            return _rebuild_empty_torch, (_dtype_name(obj.dtype), tuple(obj.size()), obj.stride(),
-                                          obj.requires_grad, type(obj) is torch.nn.Parameter)
-        entry = _shared_record(obj)
-        meta = _torch_meta(obj, entry[2], type(obj) is torch.nn.Parameter)
-        return _load_item, ("P", self._add_tensor(entry[0])) + meta
+            rebuilt = (_rebuild_empty_torch, (_dtype_name(obj.dtype), tuple(obj.size()),
+                                              obj.stride(), obj.requires_grad, parameter))
+        else:
+            entry = _shared_record(obj)
+            meta = _torch_meta(obj, entry[2], parameter)
+            rebuilt = (_load_item, ("P", self._add_tensor(entry[0])) + meta)
+        if plain:
+            return rebuilt
+        # A subclass (as_subclass, a Parameter's subclass) crosses as torch sends it: its class
+        # and attributes over the same shared memory (a Parameter's subclass as a Parameter).
+        state = getattr(obj, "__dict__", None) or None
+        return _rebuild_subclass, (None if parameter else cls, state) + rebuilt
 
 
 _FunctionType = types.FunctionType
