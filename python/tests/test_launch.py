@@ -82,9 +82,8 @@ def test_malformed_variables_are_a_clear_error(clean_env):
     clean_env.delenv("RANK")
     with pytest.raises(forksafe.InvalidArgumentError, match="WORLD_SIZE is set but RANK is not"):
         mp.launch_info()
-    # spawn() refuses too, before starting anything.
-    with pytest.raises(forksafe.InvalidArgumentError):
-        mp.spawn(_check_place, args=(0, 1, 1, ""), nprocs=1, start_method="fork")
+    # spawn() does not refuse: it starts the children with the environment unchanged, as torch
+    # does (test_spawn_with_a_stray_world_size_starts_with_the_environment_unchanged).
 
 
 def _check_place(i, parent_rank, parent_world, nprocs, probe):
@@ -175,3 +174,17 @@ def test_a_forksafe_program_under_torchrun(clean_env, tmp_path):
                      "rank=1 world=2 local=1 launcher=torchrun pool=385"], out
     children = sorted(line.split("CHILD ", 1)[1] for line in out.splitlines() if "CHILD " in line)
     assert children == [f"rank={r} world=4 launcher=spawn" for r in range(4)], out
+
+
+def _report_env(i, q):
+    q.put((os.environ.get("WORLD_SIZE"), os.environ.get("RANK")))
+
+
+def test_spawn_with_a_stray_world_size_starts_with_the_environment_unchanged(clean_env):
+    """WORLD_SIZE set alone (no launcher sets only that) made spawn() refuse to start with
+    InvalidArgumentError; torch's spawn starts the children with the environment as it is."""
+    clean_env.setenv("WORLD_SIZE", "2")
+    q = mp.SimpleQueue()
+    with pytest.warns(RuntimeWarning, match="WORLD_SIZE"):
+        mp.spawn(_report_env, args=(q,), nprocs=1, start_method="fork")
+    assert q.get() == ("2", None)

@@ -29,7 +29,7 @@ import traceback
 from multiprocessing import connection as _stdlib_connection
 
 from .. import _forksafe
-from ..errors import ProcessFailedError
+from ..errors import InvalidArgumentError, ProcessFailedError
 from .context import get_context
 from .launch import launch_info
 from .queues import SimpleQueue
@@ -181,10 +181,21 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     ctx = get_context(start_method)
     envs = [None] * nprocs
     if launch_env:
-        info = launch_info()
-        alone = not info.master_addr and info.world_size == 1
-        port = _forksafe.mp.free_loopback_port() if alone else 0
-        envs = [_forksafe.mp.spawn_child_environment(nprocs, i, port) for i in range(nprocs)]
+        try:
+            info = launch_info()
+        except InvalidArgumentError as e:
+            # Variables no launcher would leave (WORLD_SIZE without RANK, ...): not a launch to
+            # nest in. The children get the environment as it is, as torch's spawn gives it
+            # (it used to refuse to start them).
+            import warnings
+            warnings.warn(f"spawn: the launcher's variables are incomplete ({e.message}); the "
+                          "children get the environment unchanged", RuntimeWarning, stacklevel=2)
+            info = None
+        if info is not None:
+            alone = not info.master_addr and info.world_size == 1
+            port = _forksafe.mp.free_loopback_port() if alone else 0
+            envs = [_forksafe.mp.spawn_child_environment(nprocs, i, port)
+                    for i in range(nprocs)]
     error_queue = SimpleQueue()
     processes = []
     try:
