@@ -250,9 +250,59 @@ def test_a_private_numpy_array_is_copied_once_into_shared_memory():
     q = mp.Queue()
     q.put(private)
     got = q.get(timeout=5)
-    assert got.tolist() == private.tolist() and mp.is_shared(got)
+    # The receiver's own copy, as pickling's would be (in shared memory, but not shared).
+    assert got.tolist() == private.tolist() and not mp.is_shared(got)
     shared = mp.share_memory(private)
     assert mp.is_shared(shared) and mp.share_memory(shared) is shared
+
+
+def fill_and_snapshot(conn):
+    buf = conn.recv()
+    for i in range(3):
+        buf[:] = i
+        conn.send(buf)
+    conn.close()
+
+
+def normalize_in_place(a):
+    a /= a.max()
+    return float(a.sum())
+
+
+def forward(conn_in, conn_out):
+    conn_out.send(conn_in.recv())
+
+
+def test_received_numpy_copies_are_the_receivers_own_and_shared_arrays_stay_shared():
+    """A received array (a copy of a private one) was sent on by reference: a worker that sent
+    a buffer three times after changing it delivered three times its last state, and a second
+    Pool.map over the first's results normalised the parent's own results in place
+    (multiprocessing and torch.multiprocessing copy). An array shared on purpose
+    (shared_ndarray, share_memory) stays shared through every hop."""
+    a, b = mp.Pipe()
+    p = mp.Process(target=fill_and_snapshot, args=(b,))
+    p.start()
+    a.send(np.full(4, -1.0))
+    assert [a.recv().tolist() for _ in range(3)] == [[0.0] * 4, [1.0] * 4, [2.0] * 4]
+    p.join(60)
+    with mp.Pool(2) as pool:
+        res = pool.map(np.ones, [3, 3])
+        res = [r * (i + 1) for i, r in enumerate(res)]
+        pool.map(normalize_in_place, [r for r in pool.map(np.asarray, res)])
+        assert [r.tolist() for r in res] == [[1.0] * 3, [2.0] * 3]
+        got = pool.map(np.asarray, res)
+        assert pool.map(normalize_in_place, got) == [3.0, 3.0]
+        assert [g.tolist() for g in got] == [[1.0] * 3, [2.0] * 3]  # each hop a copy
+    shared = mp.shared_ndarray(4)
+    a1, b1 = mp.Pipe()
+    a2, b2 = mp.Pipe()
+    p = mp.Process(target=forward, args=(b1, a2))
+    p.start()
+    a1.send(shared)
+    far = b2.recv()  # the parent's array, forwarded by the child
+    far[:] = 5
+    assert shared.tolist() == [5.0] * 4 and mp.is_shared(far)
+    p.join(60)
 
 
 def test_pipes_and_pools_carry_tensors():

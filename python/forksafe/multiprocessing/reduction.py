@@ -128,8 +128,27 @@ class Shareable:
 _torch_shared = {}
 
 
+# The numpy arrays (the bases of received arrays) that hold a copy made to carry an array that
+# was not shared: their memory is shared memory, but the receiver's to own, as pickling's copy
+# would be. Sent on, such an array is copied again; only arrays made shared on purpose
+# (shared_ndarray, share_memory, and what they reach) cross by reference.
+# By id (numpy arrays cannot be hashed), each with a weak reference that removes it.
+_private_copies = {}
+
+
+def _mark_private(base):
+    key = id(base)
+    _private_copies[key] = weakref.ref(base, lambda _, key=key: _private_copies.pop(key, None))
+
+
+def _is_private(base):
+    ref = _private_copies.get(id(base))
+    return ref is not None and ref() is base
+
+
 def _forksafe_tensor_of_array(arr):
-    """The shared forksafe.Tensor under numpy array `arr`'s memory, or None."""
+    """The shared forksafe.Tensor under numpy array `arr`'s memory, or None (not in shared
+    memory, or a received private copy)."""
     base = arr
     while base is not None:
         if isinstance(base, Tensor):
@@ -137,6 +156,8 @@ def _forksafe_tensor_of_array(arr):
         if isinstance(base, memoryview):
             base = base.obj
             continue
+        if _private_copies and _is_private(base):
+            return None
         base = getattr(base, "base", None)
     return None
 
@@ -495,15 +516,16 @@ class _Pickler(pickle.Pickler):
             if obj.dtype.hasobject:
                 return NotImplemented
             fs = _forksafe_tensor_of_array(obj)
-            if fs is None:
+            flags = 0 if obj.flags.writeable else _N_READ_ONLY  # read-only arrives read-only
+            if fs is None:  # a private array: a copy crosses, the receiver's own
                 obj = share_memory(obj)
                 fs = _forksafe_tensor_of_array(obj)
+            else:  # shared on purpose: the same memory, shared with the receiver too
+                flags |= _N_SHARED
             offset = obj.__array_interface__["data"][0] - fs.data_ptr()
             dtype = obj.dtype.str if obj.dtype.fields is None else obj.dtype  # fields travel
-            if not obj.flags.writeable:  # a read-only view arrives read-only
-                return _load_item, ("N", self._add_tensor(fs), dtype, obj.shape, obj.strides,
-                                    offset, False)
-            return _load_item, ("N", self._add_tensor(fs), dtype, obj.shape, obj.strides, offset)
+            return _load_item, ("N", self._add_tensor(fs), dtype, obj.shape, obj.strides, offset,
+                                flags)
         torch = _torch or _torch_module()
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._reduce_torch(torch, obj)
@@ -597,6 +619,10 @@ def _dispatch_table():
 _loading = threading.local()
 
 
+_N_READ_ONLY = 1  # "N" items' flags
+_N_SHARED = 2
+
+
 def _load_item(kind, *args):
     # loads' shortcut for a message with nothing out of band sets no items: none are needed.
     tensors, fds, used = getattr(_loading, "items", None) or ((), (), set())
@@ -605,11 +631,14 @@ def _load_item(kind, *args):
     if kind == "P":
         return _rebuild_torch(tensors[args[0]], *args[1:])
     if kind == "N":
-        i, dtype, shape, strides, offset = args[:5]
+        i, dtype, shape, strides, offset, flags = args
         np = _numpy() or __import__("numpy")
-        arr = np.ndarray(shape, dtype=np.dtype(dtype), buffer=np.asarray(tensors[i]),
-                         offset=offset, strides=strides)
-        if len(args) > 5 and not args[5]:
+        base = np.asarray(tensors[i])
+        if not flags & _N_SHARED:
+            _mark_private(base)
+        arr = np.ndarray(shape, dtype=np.dtype(dtype), buffer=base, offset=offset,
+                         strides=strides)
+        if flags & _N_READ_ONLY:
             arr.flags.writeable = False
         return arr
     if kind in ("O", "R"):
