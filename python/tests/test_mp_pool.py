@@ -386,7 +386,7 @@ def test_every_result_arrives_without_waiting_for_the_handlers_poll():
     # used to be) now costs 300 s, and the bounded waits below turn that into a failure.
     pool = mp.Pool(2)
     try:
-        pool._poll_s = 300
+        pool._core._poll_s = 300
         time.sleep(0.1)
         pool.apply(abs, (-1,))  # the handler's first wait (the 1 s one) has ended
         for chunksize in (1, 3, 7, 40):
@@ -471,3 +471,30 @@ def test_map_async_and_apply_async_take_their_input_at_the_call():
         unpicklable = pool.apply_async(length, (threading.Lock(),))
         with pytest.raises(TypeError):
             unpicklable.get(timeout=60)
+
+
+def test_a_pool_dropped_without_close_is_terminated_and_a_held_result_keeps_it():
+    """Pool(2).map(...) in a loop, never closed: each pool's workers, threads and descriptors
+    lived until the interpreter exited (10 pools: 20 processes, 11 threads, 86 descriptors).
+    Dropped, a running Pool is terminated, as multiprocessing's finalizer does; a result still
+    held keeps its pool running."""
+    import gc
+    import warnings
+    threads = threading.active_count()
+    fds = len(os.listdir("/proc/self/fd"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        for _ in range(10):
+            assert mp.Pool(2).map(square, range(4)) == [0, 1, 4, 9]
+        r = mp.Pool(2).map_async(square, range(50))  # the Pool itself is dropped at once
+        gc.collect()
+        assert r.get(timeout=60) == [x * x for x in range(50)]
+        del r
+        gc.collect()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (mp.active_children() or
+                                           threading.active_count() > threads):
+        time.sleep(0.05)
+    assert mp.active_children() == []
+    assert threading.active_count() <= threads
+    assert len(os.listdir("/proc/self/fd")) <= fds

@@ -16,6 +16,8 @@ sentinels. So the parent always knows which chunk each worker holds:
   arguments pickled), so the caller may change or clear it afterwards;
 - a worker whose initializer raises fails the pending results with that error and the pool
   stops starting workers (multiprocessing restarts them for ever).
+- a Pool dropped while running is terminated (its threads hold its workings, _PoolCore, not
+  the Pool), as multiprocessing's finalizer does; a result not yet got keeps it.
 Arguments and results are pickled by forksafe's pickler: numpy arrays and torch tensors cross
 through shared memory. Callbacks run on the handler thread; they must not block.
 """
@@ -93,6 +95,7 @@ class ApplyResult:
         self._error_callback = error_callback
         self._value = None
         self._success = None
+        self._owner = None  # the Pool (kept running while this result is held)
 
     def ready(self):
         return self._event.is_set()
@@ -180,6 +183,7 @@ class IMapIterator:
         self._next_index = 0
         self._expected = None
         self._received = 0
+        self._owner = None  # the Pool (kept running while this iterator is held)
 
     def __iter__(self):
         return self
@@ -297,8 +301,10 @@ class _WorkerSlot:
         self.done = 0
 
 
-class Pool:
-    """A pool of `processes` worker processes (os.cpu_count() by default)."""
+class _PoolCore:
+    """A Pool's workings: its workers, its handler and feeder threads (which hold this, never
+    the Pool the user holds: a Pool dropped without close() is terminated, as in
+    multiprocessing), its jobs."""
 
     # The handler's longest wait: a safety net only. Every event it acts on (a result, a worker's
     # end, new work, close) wakes it at once; the tests lengthen it to prove that.
@@ -817,17 +823,86 @@ class Pool:
             if fd >= 0:
                 os.close(fd)
 
+
+class Pool:
+    """A pool of `processes` worker processes (os.cpu_count() by default)."""
+
+    def __init__(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None,
+                 context=None):
+        self._core = _PoolCore(processes, initializer, initargs, maxtasksperchild, context)
+
+    def __getattr__(self, name):
+        # The workings' state (_workers, _state, ...), for tests and debugging.
+        if name == "_core":
+            raise AttributeError(name)
+        return getattr(self._core, name)
+
+    def _owned(self, result):
+        result._owner = self  # a result not yet got keeps its Pool running
+        return result
+
+    def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):
+        """func(*args, **kwds) in a worker; an ApplyResult."""
+        return self._owned(self._core.apply_async(func, args, kwds, callback, error_callback))
+
+    def apply(self, func, args=(), kwds={}):
+        return self.apply_async(func, args, kwds).get()
+
+    def map_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
+        return self._owned(self._core.map_async(func, iterable, chunksize, callback,
+                                                error_callback))
+
+    def starmap_async(self, func, iterable, chunksize=None, callback=None, error_callback=None):
+        return self._owned(self._core.starmap_async(func, iterable, chunksize, callback,
+                                                    error_callback))
+
+    def map(self, func, iterable, chunksize=None):
+        """[func(x) for x in iterable], computed by the workers, in order."""
+        return self.map_async(func, iterable, chunksize).get()
+
+    def starmap(self, func, iterable, chunksize=None):
+        """[func(*args) for args in iterable], computed by the workers, in order."""
+        return self.starmap_async(func, iterable, chunksize).get()
+
+    def imap(self, func, iterable, chunksize=1):
+        """An iterator of func(x) in input order; the input is read as the consumer takes."""
+        return self._owned(self._core.imap(func, iterable, chunksize))
+
+    def imap_unordered(self, func, iterable, chunksize=1):
+        """Like imap, in the order results arrive."""
+        return self._owned(self._core.imap_unordered(func, iterable, chunksize))
+
+    def close(self):
+        """No more tasks; the workers exit once the submitted ones are done (join waits)."""
+        self._core.close()
+
+    def terminate(self):
+        """Stops the workers now; results not finished fail with forksafe.CancelledError."""
+        self._core.terminate()
+
+    def join(self):
+        """Waits for the workers to exit; call close() or terminate() first."""
+        self._core.join()
+
     def __enter__(self):
-        self._check_running()
+        self._core._check_running()
         return self
 
     def __exit__(self, *exc):
         self.terminate()
 
     def __del__(self):
+        # Dropped while running (no close(), no with): terminated, as multiprocessing's Pool is
+        # by its finalizer, with the same ResourceWarning. Its workers and threads used to live
+        # until the interpreter exited (10 x Pool(2).map(...) left 20 processes).
+        core = self.__dict__.get("_core")
+        if core is None or core._state != _RUN or os.getpid() != core._pid:
+            return
         try:
-            if getattr(self, "_state", _TERMINATE) == _RUN and os.getpid() == self._pid:
-                self.terminate()
+            import warnings
+            warnings.warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning,
+                          source=self)
+            core.terminate()
         except Exception:
             pass
 
