@@ -808,3 +808,20 @@ def test_a_reducer_replaced_or_removed_is_what_pickles_next():
         copyreg.dispatch_table.pop(_Tagged, None)
         copyreg.dispatch_table.pop(_Untagged, None)
         ForkingPickler._extra_reducers.pop(_Tagged, None)
+
+
+def test_small_api_shapes_match_multiprocessing_and_torch():
+    """JoinableQueue.join() returns None (it returned True), pool workers are numbered
+    (ForksafePoolWorker-N, as ForkPoolWorker-N), ProcessExitedException.signal_name is None for
+    a plain exit (it was "")."""
+    q = mp.JoinableQueue()
+    q.put(1)
+    q.get()
+    q.task_done()
+    assert q.join() is None
+    assert q.join(timeout=1) is True  # forksafe's timeout: False when it runs out
+    with mp.Pool(2) as pool:
+        names = {w.process.name for w in pool._workers}
+    assert len(names) == 2 and all(n.startswith("ForksafePoolWorker-") for n in names), names
+    e = mp.ProcessExitedException("exit code 3", 0, 1, 3)
+    assert e.signal_name is None

@@ -339,6 +339,7 @@ class _PoolCore:
         self._feed_cond = threading.Condition(self._lock)  # the feeder waits for room here
         self._feeder = None  # started with the first imap
         self._workers = []
+        self._started = 0  # workers started so far
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)  # a full pipe already wakes the handler
         try:
@@ -361,7 +362,8 @@ class _PoolCore:
     def _start_worker(self):
         parent_end, child_end = Pipe()
         try:
-            p = self._ctx.Process(target=_worker, name="ForksafePoolWorker",
+            self._started += 1  # numbered as multiprocessing's ForkPoolWorker-N
+            p = self._ctx.Process(target=_worker, name=f"ForksafePoolWorker-{self._started}",
                                   args=(child_end, self._initializer, self._initargs,
                                         self._maxtasks),
                                   daemon=True)

@@ -122,6 +122,7 @@ class JoinableQueue(Queue):
             raise OverReleasedError(f"task_done() called too many times: {e.message}") from None
 
     def join(self, timeout=None):
-        """Blocks until every item put has been task_done(); with a timeout, returns False when
-        it ran out (True otherwise)."""
-        return self._handle.join(timeout)
+        """Blocks until every item put has been task_done() (None, as multiprocessing's). With a
+        timeout (forksafe's): returns False when it ran out, True otherwise."""
+        done = self._handle.join(timeout)
+        return None if timeout is None else done

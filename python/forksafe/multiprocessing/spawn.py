@@ -72,9 +72,9 @@ class ProcessRaisedException(ProcessException):
 
 class ProcessExitedException(ProcessException):
     """The child ended without raising: exit_code (negative: killed by a signal) and
-    signal_name ("SIGKILL", or "" for a plain exit)."""
+    signal_name ("SIGKILL", or None for a plain exit, as in torch)."""
 
-    def __init__(self, msg, error_index, error_pid, exit_code, signal_name=""):
+    def __init__(self, msg, error_index, error_pid, exit_code, signal_name=None):
         super().__init__(msg, error_index, error_pid)
         self.exit_code = exit_code
         self.signal_name = signal_name
