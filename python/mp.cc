@@ -157,6 +157,41 @@ Payload DecodePayload(mp::Message& msg) {
   return p;
 }
 
+// Connection.recv's message: one of send() (pickle, tensors, descriptors) or, from a peer that
+// used send_bytes() (multiprocessing programs send pickle.dumps(x) that way), a bare pickle.
+Payload DecodeSentOrBytes(mp::Message& msg) {
+  if (msg.fds.empty()) {
+    try {
+      return DecodePayload(msg);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kInvalidArgument) throw;
+    }
+    Payload p;
+    p.pickle = std::move(msg.bytes);
+    return p;
+  }
+  return DecodePayload(msg);
+}
+
+// Connection.recv_bytes's bytes: a send_bytes() message as it is; a send() message's pickle
+// when it carries nothing out of band (multiprocessing's recv_bytes of a send() message is the
+// pickle: pickle.loads reads it), else an error that says to recv() it.
+std::string BytesOfMessage(mp::Message& msg) {
+  if (msg.fds.empty()) {
+    Payload p;
+    try {
+      p = DecodePayload(msg);
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kInvalidArgument) throw;
+      return std::move(msg.bytes);
+    }
+    if (p.tensors.empty()) return std::move(p.pickle);
+  }
+  throw Error(ErrorCode::kInvalidArgument,
+              "Connection.recv_bytes: this message was sent with send() and carries shared "
+              "tensors or descriptors; receive it with recv()");
+}
+
 // The descriptors as ints that Python owns (and closes or adopts): an owned one is released, a
 // borrowed one (an arena segment's, still the arena's) is duplicated: closing it would close the
 // arena's.
@@ -321,7 +356,7 @@ class PyConnection {
     {
       py::gil_scoped_release nogil;
       mp::Message m = c_.RecvMessage(mp::Timeout());
-      p = DecodePayload(m);
+      p = DecodeSentOrBytes(m);
     }
     return ToPython(std::move(p));
   }
@@ -425,7 +460,8 @@ void BindMp(py::module_& parent) {
              std::string data;
              {
                py::gil_scoped_release nogil;
-               data = c.conn().recv_bytes();
+               mp::Message m = c.conn().RecvMessage(mp::Timeout());
+               data = BytesOfMessage(m);
              }
              return py::bytes(data);
            })

@@ -825,3 +825,29 @@ def test_small_api_shapes_match_multiprocessing_and_torch():
     assert len(names) == 2 and all(n.startswith("ForksafePoolWorker-") for n in names), names
     e = mp.ProcessExitedException("exit code 3", 0, 1, 3)
     assert e.signal_name is None
+
+
+def test_send_and_send_bytes_interoperate_as_in_multiprocessing():
+    """multiprocessing's send() is send_bytes(pickle.dumps(x)), and programs mix the two:
+    recv_bytes() of a send() message raised UnpicklingError at pickle.loads, recv() of a
+    send_bytes(pickle.dumps(x)) message raised "malformed message"."""
+    import pickle
+    a, b = mp.Pipe()
+    a.send({"k": [1, 2]})
+    assert pickle.loads(b.recv_bytes()) == {"k": [1, 2]}
+    a.send_bytes(pickle.dumps([1, 2]))
+    assert b.recv() == [1, 2]
+    a.send_bytes(b"not a pickle")
+    with pytest.raises(pickle.UnpicklingError):
+        b.recv()
+    a.send_bytes(b"raw")
+    assert b.recv_bytes() == b"raw"
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    a.send(mp.shared_ndarray(3))  # carries shared memory: only recv() can take it
+    with pytest.raises(forksafe.InvalidArgumentError, match="recv"):
+        b.recv_bytes()
+    a.send("next")
+    assert b.recv() == "next"
