@@ -177,16 +177,18 @@ Payload DecodeSentOrBytes(mp::Message& msg) {
 // when it carries nothing out of band (multiprocessing's recv_bytes of a send() message is the
 // pickle: pickle.loads reads it), else an error that says to recv() it.
 std::string BytesOfMessage(mp::Message& msg) {
-  if (msg.fds.empty()) {
-    Payload p;
-    try {
-      p = DecodePayload(msg);
-    } catch (const Error& e) {
-      if (e.code() != ErrorCode::kInvalidArgument) throw;
-      return std::move(msg.bytes);
-    }
-    if (p.tensors.empty()) return std::move(p.pickle);
+  const bool bare = msg.fds.empty();
+  Payload p;
+  try {
+    p = DecodePayload(msg);
+  } catch (const Error& e) {
+    if (e.code() != ErrorCode::kInvalidArgument || !bare) throw;
+    return std::move(msg.bytes);
   }
+  if (p.tensors.empty() && p.fds.empty()) return std::move(p.pickle);
+  // Decoded all the same, so that the tensors' references in flight are taken and given back,
+  // and the descriptors closed, as `p` goes: refused undecoded, each message's shared memory
+  // stayed counted for good (the sender's grew by 825 MB over 800 messages of 1 MiB).
   throw Error(ErrorCode::kInvalidArgument,
               "Connection.recv_bytes: this message was sent with send() and carries shared "
               "tensors or descriptors; receive it with recv()");

@@ -498,3 +498,78 @@ def test_a_pool_dropped_without_close_is_terminated_and_a_held_result_keeps_it()
     assert mp.active_children() == []
     assert threading.active_count() <= threads
     assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+def fail_always(x):
+    raise ValueError(f"bad {x}")
+
+
+_DROPPED_AND_FAILED = r"""
+import threading
+import forksafe.multiprocessing as mp
+
+
+def bad(x):
+    raise ValueError(f"bad {x}")
+
+
+if __name__ == "__main__":
+    errors = []
+    mp.Pool(1).map_async(bad, range(100), chunksize=1, error_callback=errors.append)
+    import time
+    deadline = time.monotonic() + 30
+    while not errors and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("error_callback", [str(e) for e in errors][:1])
+"""
+
+
+def test_a_pool_dropped_on_its_own_thread_ends_and_the_program_exits(tmp_path):
+    """Neither the Pool nor its result kept: the handler dropped the last reference while it
+    held the pool's lock, Pool.__del__'s terminate() waited for that lock for ever, and the
+    program hung at exit (multiprocessing exits)."""
+    import subprocess
+    script = tmp_path / "dropped.py"
+    script.write_text(_DROPPED_AND_FAILED)
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=60, start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the program did not exit within 60 s: {e.stdout} {e.stderr}")
+    assert done.returncode == 0 and "bad 0" in done.stdout, done.stdout + done.stderr
+
+
+def batches_of(it, n):
+    batch = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield sum(batch)
+            batch = []
+    if batch:
+        yield sum(batch)
+
+
+def test_chained_imaps_with_large_chunks_and_batching_inputs_end():
+    """One feeder thread for the pool stayed blocked in the outer imap's input waiting for the
+    inner imap's results, whose input it was the only one to read (outer chunksize 10: no
+    result in 10 s). Each imap reads its input on a thread of its own."""
+    with mp.Pool(2) as pool:
+        it = pool.imap(square, pool.imap(slow_on_nine, range(40)), chunksize=10)
+        assert take(it, 40) == [(x + 1) ** 2 for x in range(40)]
+        it = pool.imap(square, batches_of(pool.imap(slow_on_nine, range(40)), 8))
+        assert take(it, 5) == [sum(range(8 * i + 1, 8 * i + 9)) ** 2 for i in range(5)]
+
+
+def keyword(x=None):
+    return x
+
+
+def test_unpicklable_keyword_arguments_fail_at_get_as_in_multiprocessing():
+    errors = []
+    with mp.Pool(1) as pool:
+        r = pool.apply_async(keyword, (), {"x": threading.Lock()}, error_callback=errors.append)
+        with pytest.raises(TypeError, match="pickle"):
+            r.get(timeout=30)
+        assert len(errors) == 1 and isinstance(errors[0], TypeError)
+        assert pool.apply(keyword, (), {"x": 5}) == 5

@@ -336,8 +336,9 @@ class _PoolCore:
         self._broken = None  # the initializer's error
         self._outbox = collections.deque()  # results to deliver, outside self._lock
         self._deliver_lock = threading.RLock()
-        self._feed_cond = threading.Condition(self._lock)  # the feeder waits for room here
-        self._feeder = None  # started with the first imap
+        self._feed_cond = threading.Condition(self._lock)  # feeders wait for room here
+        self._feeders = 0  # feeder threads running (one per imap whose input is not read out)
+        self._abandoned = False  # the Pool was dropped on one of this pool's own threads
         self._workers = []
         self._started = 0  # workers started so far
         self._wake_r, self._wake_w = os.pipe()
@@ -403,6 +404,8 @@ class _PoolCore:
                 pass
         finally:
             self._stop_workers()
+            if self._abandoned:  # nobody will call join(): the wake pipe goes here
+                self._close_wake()
 
     def _handle_loop(self):
         while True:
@@ -411,9 +414,12 @@ class _PoolCore:
                     break
                 if self._state == _CLOSE and not self._pending and not self._jobs:
                     break
+                if self._abandoned and self._state == _RUN:
+                    self._terminate_locked()
+                    break
                 self._dispatch_locked()
-                if self._feeder is not None:
-                    self._feed_cond.notify()  # a result taken or a chunk sent: room to read
+                if self._feeders:
+                    self._feed_cond.notify_all()  # a result taken or a chunk sent: room to read
                 waitables = [self._wake_r]
                 for w in self._workers:
                     waitables.append(w.conn)
@@ -493,29 +499,31 @@ class _PoolCore:
         if self._broken is None and (self._state == _RUN or (self._state == _CLOSE and busy)):
             self._workers.append(self._start_worker())
 
-    # ---- the feeder thread: reads imap's input without the pool's lock ----------------------------
-    def _job_wanting_input_locked(self):
-        for job in self._jobs:
-            if not job.lazy or job.exhausted or job.feeding:
-                continue
-            # While the pool runs, at most 2 * processes chunks are read ahead of the consumer;
-            # after close() the input is read to its end (join waits for it).
-            if self._state == _RUN and job.next_index - job.result._taken >= 2 * self._processes:
-                continue
-            return job
-        return None
+    # ---- feeder threads: each reads one imap's input without the pool's lock --------------------
+    def _wants_input_locked(self, job):
+        if job.exhausted or job.feeding or job not in self._jobs:
+            return False
+        # While the pool runs, at most 2 * processes chunks are read ahead of the consumer;
+        # after close() the input is read to its end (join waits for it).
+        return self._state != _RUN or job.next_index - job.result._taken < 2 * self._processes
 
-    def _feed(self):
+    def _feed(self, job):
+        # One thread per imap: an input that waits for another imap of this pool (a second
+        # stage over the first's results) must not keep that one's input from being read.
+        try:
+            self._feed_job(job)
+        finally:
+            with self._lock:
+                self._feeders -= 1
+
+    def _feed_job(self, job):
         while True:
             with self._lock:
                 while True:
-                    if self._state == _TERMINATE:
+                    if self._state == _TERMINATE or job.exhausted or job not in self._jobs:
                         return
-                    job = self._job_wanting_input_locked()
-                    if job is not None:
+                    if self._wants_input_locked(job):
                         break
-                    if self._state == _CLOSE and not any(j.lazy for j in self._jobs):
-                        return
                     self._feed_cond.wait(self._poll_s)
                 job.feeding = True
             chunk, end, err = None, False, None
@@ -708,11 +716,9 @@ class _PoolCore:
             self._pending.add(result)
             self._jobs.append(_Job(result, func, star, chunks, lazy))
             if lazy:
-                if self._feeder is None:
-                    self._feeder = threading.Thread(target=self._feed, daemon=True,
-                                                    name="forksafe-pool-feeder")
-                    self._feeder.start()
-                self._feed_cond.notify()
+                self._feeders += 1
+                threading.Thread(target=self._feed, args=(self._jobs[-1],), daemon=True,
+                                 name="forksafe-pool-feeder").start()
         self._wake()
         return result
 
@@ -732,8 +738,8 @@ class _PoolCore:
     def apply_async(self, func, args=(), kwds={}, callback=None, error_callback=None):
         """func(*args, **kwds) in a worker; an ApplyResult."""
         result = ApplyResult(self, callback, error_callback)
+        self._check_func(func)  # (the arguments fail at get(), as in multiprocessing)
         call = _Call(func, kwds)
-        self._check_func(call)
         try:
             task = _Prepared((call, True, [tuple(args)]))
         except Exception as e:  # an argument that cannot be pickled: the result fails with it
@@ -793,15 +799,22 @@ class _PoolCore:
                 self._state = _CLOSE
         self._wake()
 
+    def _terminate_locked(self):
+        from ..errors import CancelledError
+        self._state = _TERMINATE
+        self._fail_all_locked(CancelledError("the Pool was terminated before this task "
+                                             "finished"))
+
+    def _is_own_thread(self):
+        me = threading.current_thread()
+        return me is self._handler or me.name == "forksafe-pool-feeder"
+
     def terminate(self):
         """Stops the workers now; results not finished fail with forksafe.CancelledError."""
-        from ..errors import CancelledError
         with self._lock:
             if self._state == _TERMINATE:
                 return
-            self._state = _TERMINATE
-            self._fail_all_locked(CancelledError("the Pool was terminated before this task "
-                                                 "finished"))
+            self._terminate_locked()
         self._flush()
         self._wake()
         if os.getpid() == self._pid and threading.current_thread() is not self._handler:
@@ -904,7 +917,14 @@ class Pool:
             import warnings
             warnings.warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning,
                           source=self)
-            core.terminate()
+            if core._is_own_thread():
+                # Dropped on the pool's own thread (a finished job let go of its last result),
+                # which may hold the pool's lock here: the handler terminates it (terminate()
+                # here waited for that lock for ever, and so did the program's exit).
+                core._abandoned = True
+                core._wake()
+            else:
+                core.terminate()
         except Exception:
             pass
 

@@ -313,13 +313,24 @@ def _move_to_shared(torch, t):
     size, stride = t.size(), t.stride()
     span = 1 + sum((n - 1) * s for n, s in zip(size, stride))  # elements, from the first
     element = t.element_size()
-    # The block and the copy in one call (raw bytes at memcpy speed; torch's uint8 copy_ took
-    # 4x longer), then torch's view of the block. (Records of storages torch let go of are
-    # dropped by their release, and pruned as they double: a prune per move made a message of
-    # n fresh tensors cost n^2, 14.8 s for 8000.)
-    fs = _mp.shared_copy(storage.data_ptr() + t.storage_offset() * element, span * element)
-    ptr = fs.data_ptr()
-    shared = _untyped_storage(_torch_view_of(torch, fs, ptr))
+    numel = t.numel()
+    if span > 2 * numel:
+        # A view spread over far more memory than it holds (a column: its span is nearly the
+        # whole storage, and Pool.map over 400 columns of 4 MB held 1.9 GB): a compact copy,
+        # whose strides are contiguous.
+        fs = _mp.shared_empty([numel * element], "uint8")
+        ptr = fs.data_ptr()
+        compact = _torch_view_of(torch, fs, ptr).view(t.dtype).view(size)
+        compact.copy_(t.detach())
+        shared, stride = _untyped_storage(compact), compact.stride()
+    else:
+        # The block and the copy in one call (raw bytes at memcpy speed; torch's uint8 copy_
+        # took 4x longer), then torch's view of the block. (Records of storages torch let go
+        # of are dropped by their release, and pruned as they double: a prune per move made a
+        # message of n fresh tensors cost n^2, 14.8 s for 8000.)
+        fs = _mp.shared_copy(storage.data_ptr() + t.storage_offset() * element, span * element)
+        ptr = fs.data_ptr()
+        shared = _untyped_storage(_torch_view_of(torch, fs, ptr))
     if t.is_inference():  # no version counter to keep; set_ only inside inference mode
         with torch.inference_mode():
             t.set_(shared, 0, size, stride)
@@ -378,8 +389,8 @@ def _live_tensor_over(entry, ptr, torch_dtype):
     an autograd graph. Else None (the caller imports the memory afresh)."""
     t = entry[1]()
     if (t is None or t.dtype is not torch_dtype or t.requires_grad
-            or _storage_ptr(t) != ptr):
-        return None
+            or _storage_ptr(t) != ptr or type(t) is not _torch.Tensor):
+        return None  # (a subclass's as_strided would be of the subclass)
     return t
 
 
@@ -516,12 +527,12 @@ class _Pickler(pickle.Pickler):
             if obj.dtype.hasobject:
                 return NotImplemented
             fs = _forksafe_tensor_of_array(obj)
-            flags = 0 if obj.flags.writeable else _N_READ_ONLY  # read-only arrives read-only
-            if fs is None:  # a private array: a copy crosses, the receiver's own
+            if fs is None:  # a private array: a copy crosses, the receiver's own (writable)
+                flags = 0
                 obj = share_memory(obj)
                 fs = _forksafe_tensor_of_array(obj)
-            else:  # shared on purpose: the same memory, shared with the receiver too
-                flags |= _N_SHARED
+            else:  # shared on purpose: the same memory; a read-only view arrives read-only
+                flags = _N_SHARED if obj.flags.writeable else _N_SHARED | _N_READ_ONLY
             offset = obj.__array_interface__["data"][0] - fs.data_ptr()
             dtype = obj.dtype.str if obj.dtype.fields is None else obj.dtype  # fields travel
             return _load_item, ("N", self._add_tensor(fs), dtype, obj.shape, obj.strides, offset,

@@ -189,7 +189,7 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
             # (it used to refuse to start them).
             import warnings
             warnings.warn(f"spawn: the launcher's variables are incomplete ({e.message}); the "
-                          "children get the environment unchanged", RuntimeWarning, stacklevel=2)
+                          "children get the environment unchanged", RuntimeWarning, stacklevel=3)
             info = None
         if info is not None:
             alone = not info.master_addr and info.world_size == 1
