@@ -8,10 +8,11 @@ sentinels. So the parent always knows which chunk each worker holds:
   forksafe.ProcessFailedError (multiprocessing's and torch's Pools wait for ever there), and is
   replaced while the pool runs;
 - imap and imap_unordered read their input lazily: a chunk is taken from the iterable only when
-  the consumer has room for it (multiprocessing reads it all up front). The input is read on a
-  thread of its own (the feeder), never under the pool's lock: an input that waits for this
-  same pool (a second imap over the first's results, a generator that submits work) cannot
-  stop the results from being read, and terminate() never waits for it;
+  the consumer has room for it (multiprocessing reads it all up front). Each imap's input is
+  read on a thread of its own (a feeder), never under the pool's lock: an input that waits for
+  this same pool (a second imap over the first's results, a generator that submits work)
+  cannot stop the results, or another imap's input, from being read, and terminate() never
+  waits for it;
 - map_async and apply_async take their input at the call (a shallow copy of the list; apply's
   arguments pickled), so the caller may change or clear it afterwards;
 - a worker whose initializer raises fails the pending results with that error and the pool
