@@ -255,7 +255,9 @@ class _Job:
         self.lazy = lazy
         self.buffer = collections.deque()  # lazy: (index, chunk) read by the feeder
         self.feeding = False  # lazy: the feeder is reading its input now (without the lock)
-        self.exhausted = False  # lazy: its input ended (or raised)
+        self.exhausted = False  # lazy: its input ended (or raised), or the job was failed
+        self.feeder = False  # lazy: a feeder thread runs for it
+        self.cond = None  # lazy: its feeder waits here for room (on the pool's lock)
 
 
 class _Prepared:
@@ -337,8 +339,7 @@ class _PoolCore:
         self._broken = None  # the initializer's error
         self._outbox = collections.deque()  # results to deliver, outside self._lock
         self._deliver_lock = threading.RLock()
-        self._feed_cond = threading.Condition(self._lock)  # feeders wait for room here
-        self._feeders = 0  # feeder threads running (one per imap whose input is not read out)
+        self._feeders = 0  # feeder threads running (at most one per imap with room to read)
         self._abandoned = False  # the Pool was dropped on one of this pool's own threads
         self._workers = []
         self._started = 0  # workers started so far
@@ -419,8 +420,7 @@ class _PoolCore:
                     self._terminate_locked()
                     break
                 self._dispatch_locked()
-                if self._feeders:
-                    self._feed_cond.notify_all()  # a result taken or a chunk sent: room to read
+                self._wake_feeders_locked()
                 waitables = [self._wake_r]
                 for w in self._workers:
                     waitables.append(w.conn)
@@ -501,31 +501,68 @@ class _PoolCore:
             self._workers.append(self._start_worker())
 
     # ---- feeder threads: each reads one imap's input without the pool's lock --------------------
+    # A feeder thread per imap with room to read: an input that waits for another imap of this
+    # pool (a second stage over the first's results) must not keep that one's input from being
+    # read. Each waits on its own job's condition (woken only when its job has room: one
+    # condition for all woke every feeder at every result, and with 200 open imaps a map took
+    # 10 s instead of 0.9), and ends after _feeder_idle_s without room (an imap left
+    # unconsumed keeps no thread); the handler starts one again when room comes.
+    _feeder_idle_s = 1.0
+
     def _wants_input_locked(self, job):
-        if job.exhausted or job.feeding or job not in self._jobs:
+        if job.exhausted or job.feeding:
             return False
         # While the pool runs, at most 2 * processes chunks are read ahead of the consumer;
         # after close() the input is read to its end (join waits for it).
         return self._state != _RUN or job.next_index - job.result._taken < 2 * self._processes
 
+    def _wake_feeders_locked(self):
+        # A result taken or a chunk sent: room to read. (A method, not a loop in the handler's
+        # own frame, whose loop variable would keep the last job, its result and so its Pool
+        # alive: a dropped Pool was never terminated.)
+        for job in self._jobs:
+            if job.lazy and self._wants_input_locked(job):
+                if job.feeder:
+                    job.cond.notify()
+                else:
+                    self._start_feeder_locked(job)
+
+    def _start_feeder_locked(self, job):
+        if job.cond is None:
+            job.cond = threading.Condition(self._lock)
+        job.feeder = True
+        self._feeders += 1
+        try:
+            threading.Thread(target=self._feed, args=(job,), daemon=True,
+                             name="forksafe-pool-feeder").start()
+        except BaseException:
+            job.feeder = False
+            self._feeders -= 1
+            raise
+
     def _feed(self, job):
-        # One thread per imap: an input that waits for another imap of this pool (a second
-        # stage over the first's results) must not keep that one's input from being read.
+        ended = False
         try:
             self._feed_job(job)
+            ended = True
         finally:
             with self._lock:
+                job.feeder = False
                 self._feeders -= 1
+                if ended and self._wants_input_locked(job) and self._state != _TERMINATE:
+                    self._start_feeder_locked(job)  # room came as this one was ending
 
     def _feed_job(self, job):
         while True:
             with self._lock:
                 while True:
-                    if self._state == _TERMINATE or job.exhausted or job not in self._jobs:
+                    if self._state == _TERMINATE or job.exhausted:
                         return
                     if self._wants_input_locked(job):
                         break
-                    self._feed_cond.wait(self._poll_s)
+                    if not job.cond.wait(self._feeder_idle_s):
+                        if not self._wants_input_locked(job):
+                            return  # idle: the handler starts a feeder again when room comes
                 job.feeding = True
             chunk, end, err = None, False, None
             try:
@@ -536,7 +573,7 @@ class _PoolCore:
                 err = e
             with self._lock:
                 job.feeding = False
-                if job.exhausted or job not in self._jobs:
+                if job.exhausted:
                     continue  # failed meanwhile (terminate, an initializer's error)
                 if err is not None:
                     self._deliver(job.result, job.next_index, False, err)
@@ -655,6 +692,8 @@ class _PoolCore:
             while job.buffer:
                 self._deliver(job.result, job.buffer.popleft()[0], False, err)
             job.exhausted = True
+            if job.cond is not None:
+                job.cond.notify()  # its feeder ends
             if isinstance(job.chunks, _PreparedChunks):
                 job.chunks.discard()
             self._deliver(job.result, job.next_index, False, err)
@@ -662,7 +701,6 @@ class _PoolCore:
             if isinstance(job.result, (MapResult, IMapIterator)):
                 self._deliver(job.result, None, None, job.next_index)
         self._jobs.clear()
-        self._feed_cond.notify_all()
 
     def _job_done(self, result):
         self._pending.discard(result)
@@ -717,9 +755,7 @@ class _PoolCore:
             self._pending.add(result)
             self._jobs.append(_Job(result, func, star, chunks, lazy))
             if lazy:
-                self._feeders += 1
-                threading.Thread(target=self._feed, args=(self._jobs[-1],), daemon=True,
-                                 name="forksafe-pool-feeder").start()
+                self._start_feeder_locked(self._jobs[-1])
         self._wake()
         return result
 

@@ -176,6 +176,12 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     """Starts nprocs processes running fn(i, *args) with `start_method`. join=True waits for all
     (raising the first failure); join=False returns the ProcessContext. launch_env=False: the
     children do not get torchrun's variables."""
+    return _start_processes(fn, args, nprocs, join, daemon, start_method, launch_env)
+
+
+def _start_processes(fn, args, nprocs, join, daemon, start_method, launch_env):
+    # Called by start_processes and spawn alike: a warning here names their caller's line
+    # (stacklevel 3).
     if nprocs < 1:
         raise ValueError(f"nprocs must be at least 1, not {nprocs}")
     ctx = get_context(start_method)
@@ -218,4 +224,4 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
 
 def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn", launch_env=True):
     """torch.multiprocessing.spawn: start_processes with the spawn method by default."""
-    return start_processes(fn, args, nprocs, join, daemon, start_method, launch_env)
+    return _start_processes(fn, args, nprocs, join, daemon, start_method, launch_env)
