@@ -339,7 +339,6 @@ class _PoolCore:
         self._broken = None  # the initializer's error
         self._outbox = collections.deque()  # results to deliver, outside self._lock
         self._deliver_lock = threading.RLock()
-        self._feeders = 0  # feeder threads running (at most one per imap with room to read)
         self._abandoned = False  # the Pool was dropped on one of this pool's own threads
         self._workers = []
         self._started = 0  # workers started so far
@@ -531,13 +530,11 @@ class _PoolCore:
         if job.cond is None:
             job.cond = threading.Condition(self._lock)
         job.feeder = True
-        self._feeders += 1
         try:
             threading.Thread(target=self._feed, args=(job,), daemon=True,
                              name="forksafe-pool-feeder").start()
         except BaseException:
             job.feeder = False
-            self._feeders -= 1
             raise
 
     def _feed(self, job):
@@ -548,7 +545,6 @@ class _PoolCore:
         finally:
             with self._lock:
                 job.feeder = False
-                self._feeders -= 1
                 if ended and self._wants_input_locked(job) and self._state != _TERMINATE:
                     self._start_feeder_locked(job)  # room came as this one was ending
 
