@@ -13,7 +13,7 @@ __all__ = [
     "FailedPreconditionError", "ForkPoisonedError", "UnavailableError",
     "ResourceExhaustedError", "DeadlineExceededError", "CancelledError", "ClosedError",
     "OwnerDiedError", "ProcessFailedError", "InternalError", "NotOwnedError", "PeerClosedError",
-    "OverReleasedError", "InvalidTypeError", "BY_CODE",
+    "OverReleasedError", "InvalidTypeError", "HandleClosedError", "BY_CODE",
 ]
 
 
@@ -94,6 +94,11 @@ class PeerClosedError(ClosedError, BrokenPipeError):
         self.strerror = "Broken pipe"
 
 
+class HandleClosedError(ClosedError, OSError):
+    """A Connection used after its own close(): also the OSError ("handle is closed") that
+    multiprocessing raises there. Its code is "closed"."""
+
+
 class OwnerDiedError(Error, RuntimeError):
     """The process holding a shared lock died; the state it guarded may be inconsistent."""
     code = "owner_died"
@@ -125,7 +130,7 @@ class InvalidTypeError(InvalidArgumentError, TypeError):
     the TypeError multiprocessing raises."""
 
 
-# One class per code; the four above are raised by the Python layer where multiprocessing's
+# One class per code; the five above are raised by the Python layer where multiprocessing's
 # exception for the situation is more specific than the code's.
 BY_CODE = {cls.code: cls for cls in (
     InvalidArgumentError, NotFoundError, AlreadyExistsError, FailedPreconditionError,

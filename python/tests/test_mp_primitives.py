@@ -658,6 +658,14 @@ def _send_bytes_to_closed_peer(lib):
     return _raises(lambda: a.send_bytes(b"x"))
 
 
+def _use_own_closed_end(op):
+    def case(lib):
+        a, b = lib.Pipe()
+        a.close()
+        return _raises(lambda: op(a))
+    return case
+
+
 def _over_release(lib):
     s = lib.BoundedSemaphore(1)
     return _raises(s.release)
@@ -677,6 +685,12 @@ MISUSES = {
     "Condition.notify_all unheld": lambda lib: _raises(lib.Condition().notify_all),
     "send to a closed peer": _send_to_closed_peer,
     "send_bytes to a closed peer": _send_bytes_to_closed_peer,
+    "send on an own closed end": _use_own_closed_end(lambda c: c.send(1)),
+    "recv on an own closed end": _use_own_closed_end(lambda c: c.recv()),
+    "poll on an own closed end": _use_own_closed_end(lambda c: c.poll()),
+    "fileno of an own closed end": _use_own_closed_end(lambda c: c.fileno()),
+    "send_bytes on an own closed end": _use_own_closed_end(lambda c: c.send_bytes(b"x")),
+    "recv_bytes on an own closed end": _use_own_closed_end(lambda c: c.recv_bytes()),
     "BoundedSemaphore over-release": _over_release,
     "task_done too many": _task_done,
     "Value of an unknown typecode": lambda lib: _raises(lambda: lib.Value("zz", 1)),
@@ -687,8 +701,8 @@ MISUSES = {
 @pytest.mark.parametrize("case", sorted(MISUSES))
 def test_misuse_raises_what_multiprocessing_raises_and_a_forksafe_error(case):
     """Code written for multiprocessing catches what it caught there (ValueError from
-    Lock.release, AssertionError from RLock and Condition, BrokenPipeError from send, TypeError
-    from a typecode); every one is also a forksafe.Error carrying the C++ code."""
+    Lock.release, AssertionError from RLock and Condition, BrokenPipeError from send, OSError
+    from a Connection used after its own close(), TypeError from a typecode); every one is also a forksafe.Error carrying the C++ code."""
     import multiprocessing
     theirs = MISUSES[case](multiprocessing)
     ours = MISUSES[case](mp)

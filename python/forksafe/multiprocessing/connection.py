@@ -8,7 +8,7 @@ whose other end is closed raises EOFError (forksafe.ClosedError is one).
 from multiprocessing.connection import Client, Listener, wait  # noqa: F401 (their names here)
 
 from .. import _forksafe
-from ..errors import ClosedError, PeerClosedError
+from ..errors import ClosedError, HandleClosedError, PeerClosedError
 from .reduction import Shareable, close_fds, dumps, loads
 
 _mp = _forksafe.mp
@@ -46,7 +46,11 @@ class Connection(Shareable):
 
     def recv(self):
         """Receives one object; blocks until a message arrives (EOFError at end of stream)."""
-        data, tensors, fds = self._handle.recv(None)
+        try:
+            data, tensors, fds = self._handle.recv(None)
+        except ClosedError:
+            _raise_if_own_closed(self)
+            raise
         return loads(data, tensors, fds)
 
     def send_bytes(self, buf, offset=0, size=None):
@@ -64,14 +68,14 @@ class Connection(Shareable):
 
     def recv_bytes(self, maxlength=None):
         """Receives one message's bytes; OSError when it is longer than `maxlength`."""
-        data = self._handle.recv_bytes()
+        data = self._recv_bytes()
         if maxlength is not None and len(data) > maxlength:
             raise OSError(f"bad message length: {len(data)} bytes, maxlength {maxlength}")
         return data
 
     def recv_bytes_into(self, buf, offset=0):
         """Receives one message's bytes into `buf` at `offset`; returns their count."""
-        data = self._handle.recv_bytes()
+        data = self._recv_bytes()
         view = memoryview(buf).cast("B")
         if offset + len(data) > len(view):
             from multiprocessing import BufferTooShort
@@ -79,12 +83,25 @@ class Connection(Shareable):
         view[offset:offset + len(data)] = data
         return len(data)
 
+    def _recv_bytes(self):
+        try:
+            return self._handle.recv_bytes()
+        except ClosedError:
+            _raise_if_own_closed(self)
+            raise
+
     def poll(self, timeout=0.0):
         """True when a message (or end of stream) can be read, waiting up to `timeout` (None:
         forever)."""
-        return self._handle.poll(timeout)
+        try:
+            return self._handle.poll(timeout)
+        except ClosedError:
+            _raise_if_own_closed(self)
+            raise
 
     def fileno(self):
+        """The descriptor to wait on (multiprocessing.connection.wait, selectors)."""
+        _raise_if_own_closed(self)
         return self._handle.fileno()
 
     def close(self):
@@ -109,10 +126,18 @@ class Connection(Shareable):
         self.close()
 
 
+def _raise_if_own_closed(conn):
+    # This end was closed by close(): multiprocessing raises OSError("handle is closed").
+    if conn._handle.closed:
+        raise HandleClosedError("handle is closed: this Connection was closed by close(); "
+                                "use the other end, or a new Pipe()", "closed") from None
+
+
 def _closed_on_send(conn, e):
-    # The peer closed its end: a BrokenPipeError too, as multiprocessing raises. This end closed:
-    # the ClosedError as it is.
-    if isinstance(e, PeerClosedError) or conn._handle.closed:
+    # This end closed: HandleClosedError (an OSError too). The peer closed its end: a
+    # BrokenPipeError too, as multiprocessing raises.
+    _raise_if_own_closed(conn)
+    if isinstance(e, PeerClosedError):
         return e
     return PeerClosedError(e.message)
 
