@@ -826,7 +826,8 @@ def test_a_reducer_replaced_or_removed_is_what_pickles_next():
 
 def test_small_api_shapes_match_multiprocessing_and_torch():
     """JoinableQueue.join() returns None (it returned True), pool workers are numbered
-    (ForksafePoolWorker-N, as ForkPoolWorker-N), ProcessExitedException.signal_name is None for
+    as multiprocessing's (ForkPoolWorker-N, SpawnPoolWorker-N, ...: by the count that numbers
+    every Process, so names do not repeat across pools), ProcessExitedException.signal_name is None for
     a plain exit (it was "")."""
     q = mp.JoinableQueue()
     q.put(1)
@@ -834,9 +835,13 @@ def test_small_api_shapes_match_multiprocessing_and_torch():
     q.task_done()
     assert q.join() is None
     assert q.join(timeout=1) is True  # forksafe's timeout: False when it runs out
-    with mp.Pool(2) as pool:
-        names = {w.process.name for w in pool._workers}
-    assert len(names) == 2 and all(n.startswith("ForksafePoolWorker-") for n in names), names
+    names = set()
+    for _ in range(2):
+        with mp.Pool(2) as pool:
+            names |= {w.process.name for w in pool._workers}
+    assert len(names) == 4 and all(n.startswith("ForkPoolWorker-") for n in names), names
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool._workers[0].process.name.startswith("SpawnPoolWorker-")
     e = mp.ProcessExitedException("exit code 3", 0, 1, 3)
     assert e.signal_name is None
 

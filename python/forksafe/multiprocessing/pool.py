@@ -341,7 +341,6 @@ class _PoolCore:
         self._deliver_lock = threading.RLock()
         self._abandoned = False  # the Pool was dropped on one of this pool's own threads
         self._workers = []
-        self._started = 0  # workers started so far
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)  # a full pipe already wakes the handler
         try:
@@ -364,11 +363,13 @@ class _PoolCore:
     def _start_worker(self):
         parent_end, child_end = Pipe()
         try:
-            self._started += 1  # numbered as multiprocessing's ForkPoolWorker-N
-            p = self._ctx.Process(target=_worker, name=f"ForksafePoolWorker-{self._started}",
+            p = self._ctx.Process(target=_worker,
                                   args=(child_end, self._initializer, self._initargs,
                                         self._maxtasks),
                                   daemon=True)
+            # Numbered as multiprocessing's ForkPoolWorker-N: by the process-wide count that
+            # numbers every Process, so names do not repeat across pools.
+            p.name = p.name.replace("Process", "PoolWorker", 1)
             p.start()
         except BaseException:
             parent_end.close()
