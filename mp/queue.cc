@@ -664,6 +664,25 @@ Message Queue::GetMessage(bool block, Timeout timeout) {
   return msg;
 }
 
+bool Queue::poll(Timeout timeout) {
+  State& s = Live("Queue::poll");
+  internal::QueueShared* h = s.hdr();
+  if (__atomic_load_n(&h->count, __ATOMIC_ACQUIRE) > 0) return true;
+  const internal::Deadline deadline = internal::DeadlineAfter(timeout, "Queue::poll");
+  QueueLock lock(h, s.ring(), s.cap, deadline);
+  if (!lock.held()) return false;
+  while (h->count == 0) {
+    if (deadline.has_value() && internal::Clock::now() >= *deadline) return false;
+    // No spin: a poller waits on other things too, and is not the getter a put expects.
+    SleepOnBell(h, s.ring(), s.cap, s.bell_r.get(), deadline, internal::GetterSpin::Duration{});
+  }
+  // This poller takes nothing: a ring it drained must still wake a getter that sleeps.
+  const bool pass_baton = __atomic_load_n(&h->get_sleepers, __ATOMIC_ACQUIRE) > 0;
+  lock.Release();
+  if (pass_baton) RingBell(s.bell_w.get());
+  return true;
+}
+
 namespace internal {
 GetterSpin& GetterSpinOf(const Queue& q) { return q.Live("GetterSpinOf").spin; }
 }  // namespace internal

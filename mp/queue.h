@@ -173,6 +173,11 @@ class Queue {
   uint64_t CarrierId() const;
   Message GetMessage(bool block = true, Timeout timeout = {});
 
+  /// True once a message is in the queue, waiting up to `timeout` (0, as Connection::poll, by
+  /// default; none: forever); takes nothing. For code that waits on many things at once (the
+  /// Python package's `_reader` of a queue, which multiprocessing.connection.wait polls): the
+  /// message may be taken by another getter before this caller gets it.
+  bool poll(Timeout timeout = 0.0);
   /// Messages in the queue now (a snapshot).
   int64_t qsize() const;
   bool empty() const { return qsize() == 0; }

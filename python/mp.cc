@@ -428,6 +428,13 @@ void BindMp(py::module_& parent) {
       .def("put", &PyQueue::Put, py::arg("pickle"), py::arg("tensors"), py::arg("fds"),
            py::arg("block") = true, py::arg("timeout") = py::none())
       .def("get", &PyQueue::Get, py::arg("block") = true, py::arg("timeout") = py::none())
+      .def(
+          "poll",
+          [](PyQueue& q, Seconds timeout) {
+            return WaitInterruptibly(timeout,
+                                     [&](const mp::Timeout& t) { return q.queue().poll(t); });
+          },
+          py::arg("timeout") = 0.0)
       .def("qsize", [](const PyQueue& q) { return q.queue().qsize(); })
       .def("empty", [](const PyQueue& q) { return q.queue().empty(); })
       .def("full", [](const PyQueue& q) { return q.queue().full(); })

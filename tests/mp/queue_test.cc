@@ -503,6 +503,51 @@ TEST(QueueTest, SimpleQueue) {
   EXPECT_EQ(q.get<std::string>(), "x");
 }
 
+TEST(QueueTest, PollWaitsForAMessageAndTakesNothing) {
+  Queue q;
+  EXPECT_FALSE(q.poll());
+  EXPECT_FALSE(q.poll(0.05));
+  std::thread putter([&] {
+    std::this_thread::sleep_for(50ms);
+    q.put(7);
+  });
+  EXPECT_TRUE(q.poll(30.0));
+  putter.join();
+  EXPECT_EQ(q.qsize(), 1);
+  EXPECT_TRUE(q.poll());
+  EXPECT_EQ(q.get<int>(false), 7);
+  EXPECT_FALSE(q.poll(0.02));
+  q.close();
+  EXPECT_THROW(q.poll(), Error);
+}
+
+// A poller asleep beside a getter drains the doorbell's ring without taking the message: it must
+// pass the ring on, or the getter sleeps through the put (until its timeout).
+TEST(QueueTest, APollerDoesNotStrandASleepingGetter) {
+  Queue q;
+  for (int i = 0; i < 30; ++i) {
+    bool polled = false;
+    int got = -1;
+    std::thread poller([&] { polled = q.poll(30.0); });
+    std::thread getter([&] {
+      try {
+        got = q.get<int>(true, 30.0);
+      } catch (const Error&) {  // Empty: slept through the put (checked below)
+      }
+    });
+    std::this_thread::sleep_for(2ms);  // both asleep, mostly
+    const auto start = std::chrono::steady_clock::now();
+    q.put(i);
+    getter.join();
+    EXPECT_EQ(got, i);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 10s) << "the getter slept through a put";
+    q.put(-1);  // ends the poller if the getter took i before it looked
+    poller.join();
+    EXPECT_TRUE(polled);
+    EXPECT_EQ(q.get<int>(false), -1);
+  }
+}
+
 // ---- The getter's adaptive spin (mp/internal/queue_spin.h) ---------------------------------
 
 using internal::GetterSpin;

@@ -11,10 +11,14 @@ What differs from multiprocessing's queues (and the seeds' caveats that do not a
 Empty and Full are queue.Empty and queue.Full, as in multiprocessing.
 """
 
+import os
+import threading
+import weakref
 from queue import Empty, Full  # noqa: F401 (multiprocessing.queues has them too)
 
 from .. import _forksafe
-from ..errors import FailedPreconditionError, OverReleasedError, ResourceExhaustedError
+from ..errors import ClosedError, FailedPreconditionError, HandleClosedError, \
+    OverReleasedError, ResourceExhaustedError
 from .reduction import Shareable, close_fds, dumps, loads
 
 _mp = _forksafe.mp
@@ -36,7 +40,7 @@ class Queue(Shareable):
     the shared ring's size (``ring_bytes``; by default 64 MiB, of which only what the queue
     holds is memory; items over a quarter of it go out of band)."""
 
-    __slots__ = ("_handle", "__weakref__")
+    __slots__ = ("_handle", "_reader_end", "__weakref__")
 
     def __init__(self, maxsize=0, *, ctx=None, ring_bytes=None):
         if ring_bytes is not None:
@@ -87,6 +91,15 @@ class Queue(Shareable):
         """Closes this process's handle; later calls here raise forksafe.ClosedError."""
         self._handle.close()
 
+    @property
+    def _reader(self):
+        # The queue's reading end as the standard library's own code uses it (see _QueueReader);
+        # made on first use, one per queue object.
+        r = getattr(self, "_reader_end", None)
+        if r is None or r._pid != os.getpid():  # none yet, or a forked parent's (no watcher)
+            r = self._reader_end = _QueueReader(self._handle)
+        return r
+
     def join_thread(self):
         """No-op: there is no feeder thread to join."""
 
@@ -126,3 +139,125 @@ class JoinableQueue(Queue):
         timeout (forksafe's): returns False when it ran out, True otherwise."""
         done = self._handle.join(timeout)
         return None if timeout is None else done
+
+
+class _WatchState:
+    """What a _QueueReader shares with its watcher thread."""
+
+    __slots__ = ("r", "w", "lock", "marked", "taken", "stop", "__weakref__")
+
+    def __init__(self):
+        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.lock = threading.Lock()
+        self.marked = False  # a byte is in the pipe (under lock)
+        self.taken = threading.Event()  # recv() took a message: look again
+        self.stop = False  # set: the watcher ends; once it has, the pipe is closed (under lock)
+        _watching.add(self)
+
+    def close_pipe(self):
+        with self.lock:
+            if self.r >= 0:
+                os.close(self.w)
+                os.close(self.r)
+                self.r = self.w = -1
+
+    def drain(self):
+        try:
+            while os.read(self.r, 64):
+                pass
+        except BlockingIOError:
+            pass
+
+
+# The watchers' states of this process. A forked child has none of their threads: it closes
+# their pipes, and a queue's _reader there is made anew.
+_watching = weakref.WeakSet()
+
+
+def _close_inherited_pipes():
+    for st in list(_watching):
+        st.stop = True
+        st.lock = threading.Lock()  # the parent's may have been held by another thread
+        st.close_pipe()
+
+
+os.register_at_fork(after_in_child=_close_inherited_pipes)
+
+_WATCH_SLICE = 0.5  # how often a watcher looks whether its reader or queue is gone (s)
+
+
+def _watch(handle, st):
+    # The watcher thread: makes st.r readable while the queue holds a message, until the queue
+    # is closed or its reader dropped; then it closes the pipe (only it writes there).
+    try:
+        while not st.stop:
+            if not handle.poll(_WATCH_SLICE):
+                continue
+            with st.lock:
+                if not st.marked and handle.qsize() > 0:
+                    os.write(st.w, b"\0")
+                    st.marked = True
+            while not st.taken.wait(_WATCH_SLICE):
+                if st.stop:
+                    return
+                handle.qsize()  # ClosedError once the queue is closed
+            st.taken.clear()
+    except ClosedError:
+        pass
+    finally:
+        st.stop = True
+        st.close_pipe()
+
+
+class _QueueReader:
+    """A queue's reading end as multiprocessing's own code uses a queue's ``_reader``:
+    concurrent.futures' ProcessPoolExecutor, given a forksafe context, waits on its result
+    queue's ``_reader`` with multiprocessing.connection.wait and then calls ``recv()``.
+
+    ``fileno()`` is a pipe that a watcher thread makes readable while the queue holds a message
+    (C++ Queue::poll, which takes nothing); ``recv()`` gets the oldest message. As with a pipe
+    that several processes read, another getter may take the message between the wait and the
+    recv, which then waits for the next one. The watcher ends within half a second of the
+    queue's close() or of the reader being dropped."""
+
+    __slots__ = ("_handle", "_st", "_pid", "__weakref__")
+
+    def __init__(self, handle):
+        self._handle = handle
+        self._pid = os.getpid()
+        self._st = _WatchState()
+        threading.Thread(target=_watch, args=(handle, self._st), name="forksafe-queue-reader",
+                         daemon=True).start()
+
+    def __del__(self):
+        st = getattr(self, "_st", None)
+        if st is not None:
+            st.stop = True
+            st.taken.set()
+
+    def fileno(self):
+        """A descriptor that polls readable while the queue holds a message."""
+        if self._st.stop:
+            raise HandleClosedError("handle is closed: this queue reader was closed, or its "
+                                    "queue was; use the queue's get()", "closed")
+        return self._st.r
+
+    def poll(self, timeout=0.0):
+        """True when a message is in the queue, waiting up to `timeout` (None: forever)."""
+        return self._handle.poll(timeout)
+
+    def recv(self):
+        """Gets the oldest message (waits for one)."""
+        data, tensors, fds = self._handle.get(True, None)
+        st = self._st
+        with st.lock:
+            if st.r >= 0:
+                st.drain()
+            st.marked = False
+        st.taken.set()
+        return loads(data, tensors, fds)
+
+    def close(self):
+        """Stops watching (the queue stays open)."""
+        self._st.stop = True
+        self._st.taken.set()

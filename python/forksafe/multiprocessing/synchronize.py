@@ -104,8 +104,30 @@ class Semaphore(_Acquirable):
     def get_value(self):
         return self._handle.get_value()
 
+    @property
+    def _semlock(self):
+        # What the standard library's own code reads of a semaphore it got from a context
+        # (multiprocessing.queues.Queue.full() and qsize(), which concurrent.futures'
+        # ProcessPoolExecutor builds on the context it is given).
+        return _SemLockView(self._handle)
+
     def __repr__(self):
         return f"<forksafe.multiprocessing.{type(self).__name__}(value={self.get_value()})>"
+
+
+class _SemLockView:
+    """The part of multiprocessing's _multiprocessing.SemLock that its queues call."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self, handle):
+        self._h = handle
+
+    def _get_value(self):
+        return self._h.get_value()
+
+    def _is_zero(self):
+        return self._h.get_value() == 0
 
 
 class BoundedSemaphore(Semaphore):
