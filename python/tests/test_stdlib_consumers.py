@@ -7,7 +7,9 @@ Lock and BoundedSemaphore (whose ``_semlock`` its full() reads). Every wait is b
 executors are shut down by their context manager; conftest.py's watchdog ends a hang.
 """
 import concurrent.futures as cf
+import gc
 import multiprocessing.connection
+import multiprocessing.context
 import multiprocessing.queues
 import os
 import signal
@@ -188,3 +190,66 @@ def test_a_multiprocessing_queue_over_forksafe_locks_reports_full_and_qsize():
     finally:
         q.close()
         q.join_thread()
+
+
+class _Squares:
+    """A map-style dataset of dicts of tensors; item `bad` raises."""
+
+    def __init__(self, n, bad=-1):
+        self.n, self.bad = n, bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import torch
+        if i == self.bad:
+            raise KeyError(f"item {i} is bad")
+        return {"x": torch.full((3,), float(i)), "i": i}
+
+
+def _seed_worker(worker_id):
+    import torch
+    torch.manual_seed(worker_id)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_torch_dataloader_takes_a_forksafe_context(method):
+    """DataLoader(multiprocessing_context=forksafe's context): it refused it (not a
+    BaseContext); now two epochs of persistent workers, a worker's exception and an iterator
+    dropped half-way behave as on torch's context."""
+    import torch
+    from torch.utils.data import DataLoader
+    ctx = mp.get_context(method)
+    assert isinstance(ctx, multiprocessing.context.BaseContext)
+    dl = DataLoader(_Squares(32), batch_size=4, num_workers=2, multiprocessing_context=ctx,
+                    persistent_workers=True, worker_init_fn=_seed_worker, timeout=T)
+    for _ in range(2):
+        batches = list(dl)
+        assert len(batches) == 8
+        assert sum(float(b["x"].sum()) for b in batches) == 3 * sum(range(32))
+        assert torch.equal(torch.cat([b["i"] for b in batches]), torch.arange(32))
+    del dl, batches
+    it = iter(DataLoader(_Squares(32), batch_size=2, num_workers=2,
+                         multiprocessing_context=ctx, timeout=T))
+    next(it)
+    del it
+    with pytest.raises(KeyError, match="item 5 is bad") as raised:
+        list(DataLoader(_Squares(16, bad=5), batch_size=2, num_workers=2,
+                        multiprocessing_context=ctx, timeout=T))
+    del raised  # its traceback holds the iterator, whose end stops its workers (as in torch)
+    gc.collect()
+
+
+def test_a_concrete_context_stays_itself():
+    """get_context() of a concrete context is that context (it returned the default's, so code
+    handed a spawn context started fork processes); set_start_method on it raises, as
+    multiprocessing's."""
+    for method in ("fork", "spawn", "forkserver"):
+        ctx = mp.get_context(method)
+        assert ctx.get_context() is ctx
+        assert ctx.get_start_method() == method
+        assert ctx.get_context("spawn") is mp.get_context("spawn")
+        with pytest.raises(ValueError, match="concrete context"):
+            ctx.set_start_method("spawn")
+    assert mp.get_context()._name == mp.get_start_method()

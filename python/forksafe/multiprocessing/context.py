@@ -64,8 +64,10 @@ class ForkServerProcess(_ForksafeProcess, _stdlib_context.ForkServerProcess):
 _PROCESS_CLASSES = {"fork": ForkProcess, "spawn": SpawnProcess, "forkserver": ForkServerProcess}
 
 
-class ForksafeContext:
-    """A start method and everything made with it: multiprocessing's context API."""
+class ForksafeContext(_stdlib_context.BaseContext):
+    """A start method and everything made with it: multiprocessing's context API. A
+    multiprocessing.context.BaseContext, so that code that checks for one (torch's DataLoader
+    with ``multiprocessing_context=``) takes it."""
 
     def __init__(self, method):
         if method not in _PROCESS_CLASSES:
@@ -79,13 +81,17 @@ class ForksafeContext:
         return self._name
 
     def get_context(self, method=None):
-        return _default.get_context(method)
+        """This context (method None, as multiprocessing's concrete contexts), or the one of
+        `method`."""
+        return self if method is None else _default.get_context(method)
 
     def get_all_start_methods(self):
         return get_all_start_methods()
 
     def set_start_method(self, method, force=False):
-        _default.set_start_method(method, force)
+        raise ValueError(f"cannot set start method of concrete context (this is the "
+                         f"{self._name!r} context): call forksafe.multiprocessing."
+                         "set_start_method(), or use get_context(method)")
 
     # ---- the objects a context makes ---------------------------------------------------------
     def Queue(self, maxsize=0):
@@ -220,10 +226,14 @@ class _DefaultContext(ForksafeContext):
             self._actual = self.get_context("fork")  # multiprocessing's default on Linux
         return self._actual
 
-    def __getattr__(self, name):  # Process, _name, _stdlib_ctx of the chosen method
+    def __getattr__(self, name):  # Process, _stdlib_ctx of the chosen method
         if name.startswith("__"):
             raise AttributeError(name)
         return getattr(self._ctx(), name)
+
+    @property
+    def _name(self):  # the chosen method's (BaseContext has a _name of None)
+        return self._ctx()._name
 
     def get_context(self, method=None):
         if method is None:
