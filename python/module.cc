@@ -34,6 +34,7 @@
 #include "python/errors.h"
 #include "python/gil_lock.h"
 #include "python/mp.h"
+#include "python/nogil.h"
 #include "python/tensor.h"
 
 namespace py = pybind11;
@@ -108,7 +109,7 @@ class Future {
                   "the fork; the task runs in the parent only, so its result never comes here");
     }
     {
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       runtime::internal::MutexLock lk(&o_->mu);
       finished = true;
       if (timeout.has_value()) {
@@ -183,7 +184,7 @@ void DestroyPool(runtime::ThreadPool* pool) {
     return;
   }
   if (Py_IsInitialized() && ThisThreadHoldsTheGil()) {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     delete pool;
     return;
   }
@@ -196,7 +197,7 @@ void DestroyPool(runtime::ThreadPool* pool) {
 class PyThreadPool {
  public:
   explicit PyThreadPool(const runtime::ThreadPoolOptions& options) {
-    py::gil_scoped_release nogil;  // registering waits for a fork in progress
+    NoGil nogil;  // registering waits for a fork in progress
     pool_ = std::shared_ptr<runtime::ThreadPool>(new runtime::ThreadPool(options), &DestroyPool);
   }
   PyThreadPool(const PyThreadPool&) = delete;
@@ -222,14 +223,14 @@ class PyThreadPool {
     auto call = GilDeleted(new Call{std::move(fn), py::tuple(args), py::dict(kwargs)});
     auto out = GilDeleted(new Outcome());
     std::shared_ptr<runtime::ThreadPool> p = get();
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     p->Post([call, out] { RunCall(call, out); });
     return Future(out);
   }
 
   void Wait() {
     std::shared_ptr<runtime::ThreadPool> p = get();
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     p->Wait();
   }
 
@@ -241,7 +242,7 @@ class PyThreadPool {
                   "for itself: close the pool from another thread");
     }
     std::shared_ptr<runtime::ThreadPool> p = std::move(pool_);
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     p.reset();
   }
 
@@ -249,7 +250,7 @@ class PyThreadPool {
   template <typename Fn>
   auto Apply(Fn fn) const {
     std::shared_ptr<runtime::ThreadPool> p = get();
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     return fn(*p);
   }
 
@@ -362,11 +363,11 @@ PYBIND11_MODULE(_forksafe, m) {
   m.def("framework_lock_kind", [] { return std::string(FrameworkLockKind()); });
   // Every call that may wait for the registry's lock (a fork holds it) releases the GIL, or a
   // fork that let go of the GIL could never take it back (python/gil_lock.h, Hazards).
-  using ReleaseGil = py::call_guard<py::gil_scoped_release>;
+  using ReleaseGil = py::call_guard<NoGil>;
   m.def("last_fork_report", [] {
     runtime::ForkReport r;
     {
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       r = runtime::AtForkRegistry::Get().LastReport();
     }
     return ReportDict(r);
@@ -379,11 +380,11 @@ PYBIND11_MODULE(_forksafe, m) {
   m.def(
       "openmp_usable", [] { return runtime::OpenMpUsableInThisProcess(); }, ReleaseGil());
   m.def("install_openmp_fork_handler", [] {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     runtime::InstallOpenMpForkHandler();
   });
   m.def("order_fork_handlers_after_openmp", [] {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     runtime::OrderForkHandlersAfterOpenMp();
   });
   m.def(
@@ -417,7 +418,7 @@ PYBIND11_MODULE(_forksafe, m) {
   // child's exit status (0: as expected), or -1 if it outlived `timeout` seconds (it is killed).
   m.def("_fork_from_a_cpp_thread_for_test", [](bool run_python, double timeout) {
     int result = -1;
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     std::thread t([&] {
       const pid_t pid = fork();
       if (pid == 0) {
@@ -445,14 +446,14 @@ PYBIND11_MODULE(_forksafe, m) {
   m.def("_fork_with_the_gil_released_for_test", [](double timeout) {
     pid_t pid;
     {
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       pid = fork();
     }  // the child takes the GIL back here (PyEval_RestoreThread): it waits for ever if kept
     if (pid == 0) {
       const int rc = PyRun_SimpleString("import forksafe\nassert sum(range(10)) == 45\n");
       _exit(rc == 0 ? 0 : 3);
     }
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     return pid < 0 ? -2 : WaitBounded(pid, timeout);
   });
 

@@ -44,6 +44,7 @@
 #include "forksafe/mp/synchronize.h"
 #include "forksafe/mp/timeout.h"
 #include "forksafe/runtime/error.h"
+#include "python/nogil.h"
 #include "python/tensor.h"
 
 namespace py = pybind11;
@@ -54,7 +55,7 @@ namespace {
 using device::Tensor;
 using runtime::Error;
 using runtime::ErrorCode;
-using ReleaseGil = py::call_guard<py::gil_scoped_release>;
+using ReleaseGil = py::call_guard<NoGil>;
 using Seconds = std::optional<double>;
 
 // A negative timeout is 0, as in multiprocessing (a `deadline - time.monotonic()` that ran out
@@ -79,7 +80,7 @@ constexpr double kSignalSlice = 0.05;
 template <class Attempt>
 bool WaitInterruptibly(Seconds timeout, Attempt&& attempt) {
   if (timeout.has_value() && std::isnan(*timeout)) {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     return attempt(ToTimeout(timeout));  // says what was wrong
   }
   const auto start = std::chrono::steady_clock::now();
@@ -91,7 +92,7 @@ bool WaitInterruptibly(Seconds timeout, Attempt&& attempt) {
     const double slice = timeout.has_value() ? std::clamp(left(), 0.0, kSignalSlice) : kSignalSlice;
     bool done;
     {
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       done = attempt(mp::Timeout(slice));
     }
     if (done) return true;
@@ -105,7 +106,7 @@ bool WaitInterruptibly(Seconds timeout, Attempt&& attempt) {
 template <class Attempt>
 bool BlockOrTry(bool block, Seconds timeout, Attempt&& attempt) {
   if (!block) {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     return attempt(mp::Timeout());
   }
   return WaitInterruptibly(timeout, attempt);
@@ -220,7 +221,7 @@ template <class T>
 py::tuple EncodeObject(const T& value) {
   mp::Message msg;
   {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     msg = mp::Encode(value);
   }
   return py::make_tuple(py::bytes(msg.bytes), ReleaseToPython(msg.fds));
@@ -241,7 +242,7 @@ T DecodeObject(const std::string& bytes, const std::vector<int>& fds) {
   mp::Message msg;
   msg.bytes = bytes;
   for (int fd : fds) msg.fds.emplace_back(fd);  // owned from here on, closed on every path
-  py::gil_scoped_release nogil;
+  NoGil nogil;
   T value = Blank<T>();
   mp::Decode(msg, value);
   return value;
@@ -356,7 +357,7 @@ class PyConnection {
     }
     Payload p;
     {
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       mp::Message m = c_.RecvMessage(mp::Timeout());
       p = DecodeSentOrBytes(m);
     }
@@ -468,7 +469,7 @@ void BindMp(py::module_& parent) {
              }
              std::string data;
              {
-               py::gil_scoped_release nogil;
+               NoGil nogil;
                mp::Message m = c.conn().RecvMessage(mp::Timeout());
                data = BytesOfMessage(m);
              }

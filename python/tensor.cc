@@ -16,6 +16,7 @@
 #include "forksafe/device/tensor.h"
 #include "forksafe/runtime/error.h"
 #include "python/errors.h"
+#include "python/nogil.h"
 
 namespace py = pybind11;
 
@@ -87,7 +88,7 @@ Tensor AdoptCapsule(py::handle capsule) {
   PyCapsule_SetName(capsule.ptr(), "used_dltensor");
   Tensor t;
   try {
-    py::gil_scoped_release nogil;  // as in Create
+    NoGil nogil;  // as in Create
     t = device::FromDLPack(wrapper);
   } catch (...) {
     delete wrapper;  // FromDLPack took nothing: the capsule owns `managed` again
@@ -178,7 +179,7 @@ Tensor Create(const char* what, py::object shape, const std::string& dtype,
   const device::Device dev = device::ParseDevice(device_name);
   // The device registry's first use registers its at-fork handler, which waits for a fork in
   // progress: never with the GIL held (python/gil_lock.h, Hazards).
-  py::gil_scoped_release nogil;
+  NoGil nogil;
   if (fill.has_value()) return Tensor::Full(dims, *fill, d, dev);
   return std::string(what) == "Tensor.zeros" ? Tensor::Zeros(dims, d, dev)
                                              : Tensor::Empty(dims, d, dev);
@@ -252,11 +253,11 @@ void BindTensor(py::module_& m) {
       .def("is_shared", &Tensor::is_shared)
       .def("_storage_use_count", [](const Tensor& t) { return t.storage().use_count(); })
       .def("data_ptr", [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()); })
-      .def("contiguous", &Tensor::Contiguous, py::call_guard<py::gil_scoped_release>())
-      .def("clone", &Tensor::Clone, py::call_guard<py::gil_scoped_release>())
+      .def("contiguous", &Tensor::Contiguous, py::call_guard<NoGil>())
+      .def("clone", &Tensor::Clone, py::call_guard<NoGil>())
       .def(
           "to", [](const Tensor& t, const std::string& d) { return t.To(device::ParseDevice(d)); },
-          py::call_guard<py::gil_scoped_release>())
+          py::call_guard<NoGil>())
       .def("__repr__", &Tensor::DebugString)
       .def(
           "__dlpack__",
@@ -265,7 +266,7 @@ void BindTensor(py::module_& m) {
             if (!t.device().is_cpu()) {
               // The consumer reads on its own stream: what forksafe queued on the device (a
               // Zeros' fill, a copy) must be done first.
-              py::gil_scoped_release nogil;
+              NoGil nogil;
               device::Synchronize(t.device());
             }
             DLManagedTensor* managed = device::ToDLPack(t);

@@ -16,6 +16,7 @@ import pytest
 
 import forksafe
 import forksafe.multiprocessing as mp
+from conftest import run_python
 
 METHODS = ["fork", "spawn", "forkserver"]
 
@@ -870,3 +871,62 @@ def test_send_and_send_bytes_interoperate_as_in_multiprocessing():
         b.recv_bytes()
     a.send("next")
     assert b.recv() == "next"
+
+
+_BLOCKED_AT_EXIT = r"""
+import sys, threading, time
+import forksafe
+import forksafe.multiprocessing as mp
+kind = sys.argv[1]
+q = mp.Queue(1)
+if kind == "get":
+    target = q.get
+elif kind == "put":
+    q.put(0)
+    target = lambda: q.put(1)
+elif kind == "event":
+    target = mp.Event().wait
+elif kind == "lock":
+    lock = mp.Lock(); lock.acquire(); target = lock.acquire
+elif kind == "semaphore":
+    target = mp.Semaphore(0).acquire
+elif kind == "condition":
+    c = mp.Condition()
+    def target():
+        with c:
+            c.wait()
+elif kind == "barrier":
+    target = mp.Barrier(2).wait
+elif kind == "recv":
+    a, b = mp.Pipe(); target = a.recv
+elif kind == "join":
+    q2 = mp.JoinableQueue(); q2.put(1); target = q2.join
+elif kind == "reader":
+    target = lambda: q._reader.recv()
+threading.Thread(target=target, daemon=True).start()
+
+
+class _SlowToDie:  # keeps the interpreter finalizing for a while, GIL released
+    def __del__(self):
+        time.sleep(0.3)
+
+
+slow = _SlowToDie()
+time.sleep(0.3)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("kind", ["get", "put", "event", "lock", "semaphore", "condition",
+                                  "barrier", "recv", "join", "reader"])
+def test_a_daemon_thread_blocked_in_a_wait_does_not_abort_the_exit(kind):
+    """A daemon thread blocked in a forksafe wait when the program ends: the program exits with
+    its own status. It aborted (exit code 134, "terminate called without an active exception"):
+    CPython ends such a thread with a forced unwind, which pybind11's GIL release met in its
+    noexcept destructor (python/nogil.h)."""
+    for status in (0, 3):
+        code = _BLOCKED_AT_EXIT.replace("sys.argv[1]", repr(kind)).replace(
+            "int(sys.argv[2])", str(status))
+        rc, out = run_python(code, timeout=60)
+        assert rc == status, f"{kind}: exit code {rc}, not {status}:\n{out}"
+        assert "terminate called" not in out, out

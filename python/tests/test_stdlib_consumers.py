@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 
+import forksafe
 import forksafe.multiprocessing as mp
 
 T = 60  # seconds any single result may take before the test fails
@@ -253,3 +254,41 @@ def test_a_concrete_context_stays_itself():
         with pytest.raises(ValueError, match="concrete context"):
             ctx.set_start_method("spawn")
     assert mp.get_context()._name == mp.get_start_method()
+
+
+IMPORT_LINES = [
+    "import {m}.util",
+    "from {m}.util import Finalize, register_after_fork",
+    "import {m}.process",
+    "import {m}.forkserver",
+    "import {m}.resource_tracker",
+    "import {m}.heap",
+    "from {m}.reduction import ForkingPickler, register",
+    "from {m} import reduction; reduction.ForkingPickler.register",
+    "from {m}.managers import DictProxy, ListProxy, AutoProxy, Namespace, BaseProxy",
+    "from {m}.pool import TimeoutError, ThreadPool",
+    "from {m}.context import BaseContext, assert_spawning",
+    "from {m}.sharedctypes import Synchronized, SynchronizedArray, SynchronizedString",
+]
+
+
+@pytest.mark.parametrize("line", IMPORT_LINES)
+def test_multiprocessing_import_lines_work_with_the_import_swapped(line):
+    """Lines that work with multiprocessing work with forksafe.multiprocessing (submodules
+    that were attributes only, names its modules' __all__ leaves out)."""
+    exec(line.format(m="multiprocessing"), {})
+    exec(line.format(m="forksafe.multiprocessing"), {})
+
+
+def test_shared_values_are_the_classes_multiprocessing_names():
+    """Value and Array are instances of the sharedctypes classes under multiprocessing's names;
+    a Value pickled outside forksafe's channels says what it is and what to do."""
+    import pickle
+
+    from forksafe.multiprocessing import sharedctypes
+    assert isinstance(mp.Value("i", 1), sharedctypes.Synchronized)
+    assert isinstance(mp.Array("c", b"ab"), sharedctypes.SynchronizedString)
+    assert mp.Array("c", b"ab").value == b"ab"
+    assert not isinstance(mp.Array("i", 2), sharedctypes.SynchronizedString)
+    with pytest.raises(forksafe.InvalidArgumentError, match=r"Value, Array.*get_context"):
+        pickle.dumps(mp.Value("i", 1))

@@ -51,10 +51,22 @@ get_logger = _stdlib.get_logger
 log_to_stderr = _stdlib.log_to_stderr
 set_executable = _stdlib.set_executable
 set_forkserver_preload = _stdlib.set_forkserver_preload
-# multiprocessing's modules and constants, under their usual names.
-util = _stdlib.util
-process = _stdlib.process
+# multiprocessing's modules and constants, under their usual names: as attributes and as
+# modules (`import forksafe.multiprocessing.util`, `from ....util import Finalize`).
 reducer = _stdlib.reducer
+
+
+def _alias_stdlib_modules(names):
+    import importlib
+    import sys
+    for name in names:
+        module = importlib.import_module("multiprocessing." + name)
+        sys.modules.setdefault(f"{__name__}.{name}", module)
+        globals()[name] = module
+
+
+_alias_stdlib_modules(("util", "process", "forkserver", "resource_tracker", "resource_sharer",
+                       "heap"))
 SUBDEBUG = _stdlib.SUBDEBUG
 SUBWARNING = _stdlib.SUBWARNING
 # torch.multiprocessing's older name of ProcessContext.

@@ -61,6 +61,16 @@ class ForkServerProcess(_ForksafeProcess, _stdlib_context.ForkServerProcess):
     """A Process forked from the fork server (started on first use)."""
 
 
+# multiprocessing.context's names that programs and reducers import from it.
+BaseContext = _stdlib_context.BaseContext
+ProcessError = _stdlib_context.ProcessError
+BufferTooShort = _stdlib_context.BufferTooShort
+TimeoutError = _stdlib_context.TimeoutError
+AuthenticationError = _stdlib_context.AuthenticationError
+assert_spawning = _stdlib_context.assert_spawning
+get_spawning_popen = _stdlib_context.get_spawning_popen
+set_spawning_popen = _stdlib_context.set_spawning_popen
+
 _PROCESS_CLASSES = {"fork": ForkProcess, "spawn": SpawnProcess, "forkserver": ForkServerProcess}
 
 

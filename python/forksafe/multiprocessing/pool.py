@@ -32,7 +32,8 @@ import threading
 import weakref
 from multiprocessing import TimeoutError as _stdlib_TimeoutError
 from multiprocessing import connection as _stdlib_connection
-from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
+from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError, \
+    RemoteTraceback  # noqa: F401 (multiprocessing.pool's names)
 # A pool of threads has no fork to make safe: multiprocessing's own, under its usual name.
 from multiprocessing.pool import ThreadPool  # noqa: F401
 
@@ -41,6 +42,8 @@ from .connection import Pipe
 from .reduction import close_fds, dumps
 
 __all__ = ["Pool", "ThreadPool", "ApplyResult", "AsyncResult", "MapResult", "IMapIterator"]
+
+TimeoutError = _stdlib_TimeoutError  # `from multiprocessing.pool import TimeoutError`
 
 _RUN, _CLOSE, _TERMINATE = "RUN", "CLOSE", "TERMINATE"
 

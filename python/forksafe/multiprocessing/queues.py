@@ -100,6 +100,17 @@ class Queue(Shareable):
             r = self._reader_end = _QueueReader(self._handle)
         return r
 
+    @property
+    def _writer(self):
+        # The writing end as multiprocessing's Pool uses it (_writer.send, _writer.close).
+        return _QueueWriter(self)
+
+    @property
+    def _rlock(self):
+        # What multiprocessing's Pool takes while it drains a queue it terminates: nothing to
+        # hold here (a get takes the queue's own lock), so a lock of this call's own.
+        return threading.Lock()
+
     def join_thread(self):
         """No-op: there is no feeder thread to join."""
 
@@ -261,3 +272,19 @@ class _QueueReader:
         """Stops watching (the queue stays open)."""
         self._st.stop = True
         self._st.taken.set()
+
+
+class _QueueWriter:
+    """A queue's writing end as multiprocessing's Pool uses a SimpleQueue's ``_writer``."""
+
+    __slots__ = ("_queue",)
+
+    def __init__(self, queue):
+        self._queue = queue
+
+    def send(self, obj):
+        """Puts `obj` (waits for room)."""
+        self._queue.put(obj)
+
+    def close(self):
+        """No-op: the queue stays open (a Pool's worker closes the end it does not use)."""

@@ -31,6 +31,12 @@ import threading
 import types
 import weakref
 
+# multiprocessing.reduction's names, which programs import from this module's usual place (a
+# reducer registered with ForkingPickler is used by forksafe's pickling too).
+from multiprocessing.reduction import (  # noqa: F401
+    HAVE_SEND_HANDLE, AbstractReducer, DupFd, ForkingPickler, dump, recv_handle, recvfds,
+    register, send_handle, sendfds)
+
 from .. import _forksafe
 from ..errors import InvalidArgumentError
 
@@ -115,10 +121,13 @@ class Shareable:
         return obj
 
     def __reduce__(self):
+        name = getattr(type(self), "_public_name", None) or f"{type(self).__name__} objects"
         raise InvalidArgumentError(
-            f"{type(self).__name__} objects cross processes as Process or Pool arguments or inside "
-            "forksafe.multiprocessing's queues and pipes; they cannot be pickled otherwise "
-            "(for example into a plain multiprocessing queue)")
+            f"{name} cross processes as arguments of forksafe.multiprocessing's Process and Pool "
+            "or inside its queues and pipes; they cannot be pickled otherwise (for example into "
+            "a plain multiprocessing queue, or for a Process of multiprocessing's own context: "
+            "give such code forksafe.multiprocessing.get_context(method), e.g. torch's "
+            "DataLoader(multiprocessing_context=...))")
 
 
 # ---- numpy arrays and torch tensors in shared memory ----------------------------------------

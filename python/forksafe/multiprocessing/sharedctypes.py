@@ -21,7 +21,8 @@ from .synchronize import Lock, RLock
 
 _mp = _forksafe.mp
 
-__all__ = ["RawValue", "RawArray", "Value", "Array", "copy", "synchronized"]
+__all__ = ["RawValue", "RawArray", "Value", "Array", "copy", "synchronized", "Synchronized",
+           "SynchronizedArray", "SynchronizedString", "SynchronizedBase"]
 
 typecode_to_type = {
     "c": ctypes.c_char, "u": ctypes.c_wchar,
@@ -53,6 +54,7 @@ class _Block(Shareable):
     """Shared bytes viewed as one ctypes object (a Raw value or array)."""
 
     __slots__ = ("_handle", "_ctype", "obj")
+    _public_name = "Value, Array, RawValue and RawArray"
 
     def __init__(self, ctype):
         self._ctype = ctype
@@ -195,6 +197,14 @@ class SynchronizedArray(Synchronized):
             return self._obj.raw
 
 
+class SynchronizedString(SynchronizedArray):
+    """A shared array of c_char with a lock: .value and .raw as bytes (Array('c', ...))."""
+
+
+# multiprocessing.sharedctypes' base class, under its name (isinstance checks).
+SynchronizedBase = Synchronized
+
+
 def _field_property(name):
     def get(self):
         with self._lock:
@@ -220,6 +230,8 @@ def synchronized(obj, lock=None, ctx=None):
     lock = _make_lock(lock)
     ctype = type(obj)
     if issubclass(ctype, ctypes.Array):
+        if ctype._type_ is ctypes.c_char:
+            return SynchronizedString(block, lock)
         return SynchronizedArray(block, lock)
     if issubclass(ctype, ctypes.Structure):
         cls = _struct_wrappers.get(ctype)
