@@ -422,7 +422,7 @@ void BindMp(py::module_& parent) {
       parent.def_submodule("mp", "forksafe's C++ mp layer (use forksafe.multiprocessing)");
 
   // ---- Queue --------------------------------------------------------------------------------
-  py::class_<PyQueue> queue(m, "Queue");
+  py::class_<PyQueue, NoGilHolder<PyQueue>> queue(m, "Queue");
   queue
       .def(py::init<int64_t, size_t>(), py::arg("maxsize") = 0,
            py::arg("ring_bytes") = size_t{1} << 20)
@@ -454,7 +454,7 @@ void BindMp(py::module_& parent) {
   AddCodec(queue);
 
   // ---- Connection and Pipe ------------------------------------------------------------------
-  py::class_<PyConnection> conn(m, "Connection");
+  py::class_<PyConnection, NoGilHolder<PyConnection>> conn(m, "Connection");
   conn.def("send", &PyConnection::Send, py::arg("pickle"), py::arg("tensors"), py::arg("fds"),
            ReleaseGil())
       .def("recv", &PyConnection::Recv, py::arg("timeout") = py::none())
@@ -497,7 +497,7 @@ void BindMp(py::module_& parent) {
       py::arg("duplex") = true);
 
   // ---- Locks and the other primitives ---------------------------------------------------------
-  py::class_<mp::Lock> lock(m, "Lock");
+  py::class_<mp::Lock, NoGilHolder<mp::Lock>> lock(m, "Lock");
   lock.def(py::init<>())
       .def(
           "acquire",
@@ -512,7 +512,7 @@ void BindMp(py::module_& parent) {
       .def("previous_owner_died", &mp::Lock::previous_owner_died);
   AddCodec(lock);
 
-  py::class_<mp::RLock> rlock(m, "RLock");
+  py::class_<mp::RLock, NoGilHolder<mp::RLock>> rlock(m, "RLock");
   rlock.def(py::init<>())
       .def(
           "acquire", [](mp::RLock& l, bool b, Seconds t) { return Acquire(l, b, t); },
@@ -521,7 +521,7 @@ void BindMp(py::module_& parent) {
       .def("previous_owner_died", &mp::RLock::previous_owner_died);
   AddCodec(rlock);
 
-  py::class_<mp::Semaphore> sem(m, "Semaphore");
+  py::class_<mp::Semaphore, NoGilHolder<mp::Semaphore>> sem(m, "Semaphore");
   sem.def(py::init<int>(), py::arg("value") = 1)
       .def(
           "acquire", [](mp::Semaphore& s, bool b, Seconds t) { return Acquire(s, b, t); },
@@ -530,11 +530,12 @@ void BindMp(py::module_& parent) {
       .def("get_value", &mp::Semaphore::get_value);
   AddCodec(sem);
 
-  py::class_<mp::BoundedSemaphore, mp::Semaphore> bsem(m, "BoundedSemaphore");
+  py::class_<mp::BoundedSemaphore, mp::Semaphore, NoGilHolder<mp::BoundedSemaphore>> bsem(
+      m, "BoundedSemaphore");
   bsem.def(py::init<int>(), py::arg("value") = 1);
   AddCodec(bsem);
 
-  py::class_<mp::Condition> cond(m, "Condition");
+  py::class_<mp::Condition, NoGilHolder<mp::Condition>> cond(m, "Condition");
   cond.def(py::init<mp::Lock>(), py::arg("lock"))
       .def(py::init<mp::RLock>(), py::arg("lock"))
       .def(
@@ -548,7 +549,7 @@ void BindMp(py::module_& parent) {
       .def("notify_all", &mp::Condition::notify_all);
   AddCodec(cond);
 
-  py::class_<mp::Event> event(m, "Event");
+  py::class_<mp::Event, NoGilHolder<mp::Event>> event(m, "Event");
   event.def(py::init<>())
       .def("is_set", &mp::Event::is_set)
       .def("set", &mp::Event::set, ReleaseGil())
@@ -561,7 +562,7 @@ void BindMp(py::module_& parent) {
           py::arg("timeout") = py::none());
   AddCodec(event);
 
-  py::class_<mp::Barrier> barrier(m, "Barrier");
+  py::class_<mp::Barrier, NoGilHolder<mp::Barrier>> barrier(m, "Barrier");
   barrier
       .def(py::init([](int parties, py::object action, Seconds timeout) {
              return mp::Barrier(parties, HoldCallable(std::move(action)), ToTimeout(timeout));
@@ -586,7 +587,7 @@ void BindMp(py::module_& parent) {
       "A handle of barrier `b` (decoded in this process) that runs `action` here.");
 
   // ---- Value / Array ------------------------------------------------------------------------
-  py::class_<SharedBytes> bytes(m, "SharedBytes", py::buffer_protocol());
+  py::class_<SharedBytes, NoGilHolder<SharedBytes>> bytes(m, "SharedBytes", py::buffer_protocol());
   bytes.def(py::init<size_t>(), py::arg("nbytes"))
       .def_property_readonly("address", &SharedBytes::address)
       .def_property_readonly("capacity", &SharedBytes::capacity)

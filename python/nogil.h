@@ -19,7 +19,16 @@
 //   another exception unwinds (a second one would terminate too) and the interpreter is
 //   finalizing, the thread sleeps until the process exits instead of taking the GIL back.
 //
+// WithoutGil(fn) runs fn with the GIL released when this thread holds it, for what is destroyed
+// from a Python object's deallocation, and NoGilHolder<T> is the pybind11 holder that destroys
+// its object that way. The last reference to shared memory or a shared segment takes forksafe's
+// internal locks (the shared arena's), which a fork's prepare holds while it waits to take the
+// GIL last: a thread that freed a tensor with the GIL held while another forked deadlocked both.
+//
 // Hazard: code inside a NoGil scope must not touch Python objects (take py::gil_scoped_acquire).
+// Hazard: WithoutGil runs under noexcept destructors (pybind11's holders, DLPack deleters), so it
+// keeps the GIL once the interpreter is finalizing; a daemon thread whose deallocation is under
+// way at the very moment finalization starts could still meet CPython's forced unwind there.
 #ifndef FORKSAFE_PYTHON_NOGIL_H_
 #define FORKSAFE_PYTHON_NOGIL_H_
 
@@ -27,6 +36,7 @@
 #include <unistd.h>
 
 #include <exception>
+#include <memory>
 
 namespace forksafe::python {
 
@@ -48,6 +58,30 @@ class NoGil {
  private:
   PyThreadState* state_;
 };
+
+/// Runs fn() without the GIL if this thread holds it (and the interpreter is not finalizing).
+template <class Fn>
+void WithoutGil(Fn&& fn) {
+  if (!Py_IsInitialized() || _Py_IsFinalizing() || !PyGILState_Check()) {
+    fn();
+    return;
+  }
+  PyThreadState* state = PyEval_SaveThread();
+  fn();
+  PyEval_RestoreThread(state);
+}
+
+/// The deleter of NoGilHolder.
+template <class T>
+struct DeleteWithoutGil {
+  void operator()(T* p) const {
+    WithoutGil([p] { delete p; });
+  }
+};
+
+/// A pybind11 holder (py::class_<T, NoGilHolder<T>>) that destroys its object without the GIL.
+template <class T>
+using NoGilHolder = std::unique_ptr<T, DeleteWithoutGil<T>>;
 
 }  // namespace forksafe::python
 

@@ -54,11 +54,29 @@ py::tuple ToTuple(const std::vector<int64_t>& v) {
 }
 
 // A capsule's destructor: a capsule still named "dltensor" was never consumed, so its tensor
-// goes back to its producer here.
+// goes back to its producer here (without the GIL: python/nogil.h says why).
 void DeleteUnconsumedCapsule(PyObject* capsule) {
   if (!PyCapsule_IsValid(capsule, "dltensor")) return;  // consumed: "used_dltensor"
   auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
-  if (managed != nullptr && managed->deleter != nullptr) managed->deleter(managed);
+  if (managed != nullptr && managed->deleter != nullptr) {
+    WithoutGil([managed] { managed->deleter(managed); });
+  }
+}
+
+// device::ToDLPack(t) behind a deleter that gives the tensor back without the GIL: its consumer
+// (numpy, torch) releases it from a deallocation, with the GIL held, and the last reference to
+// shared memory takes the arena's lock, which a fork's prepare holds while it waits for the GIL.
+DLManagedTensor* ToDLPackReleasedWithoutGil(const Tensor& t) {
+  DLManagedTensor* original = device::ToDLPack(t);
+  auto* wrapper = new DLManagedTensor();
+  wrapper->dl_tensor = original->dl_tensor;
+  wrapper->manager_ctx = original;
+  wrapper->deleter = [](DLManagedTensor* self) {
+    auto* original = static_cast<DLManagedTensor*>(self->manager_ctx);
+    delete self;
+    if (original->deleter != nullptr) WithoutGil([original] { original->deleter(original); });
+  };
+  return wrapper;
 }
 
 // Takes the DLManagedTensor out of a "dltensor" capsule and marks it consumed.
@@ -113,7 +131,7 @@ void DeleteWithNotice(DLManagedTensor* self) {
   PyObject* callback = notice->callback;
   delete notice;
   delete self;
-  if (original->deleter != nullptr) original->deleter(original);
+  if (original->deleter != nullptr) WithoutGil([original] { original->deleter(original); });
   if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
   const PyGILState_STATE gil = PyGILState_Ensure();
   // torch frees a tensor at any point, also while an exception is being raised (a rebuild that
@@ -221,7 +239,7 @@ DType ParseDType(const std::string& name) {
 }
 
 void BindTensor(py::module_& m) {
-  py::class_<Tensor> cls(m, "Tensor", py::buffer_protocol());
+  py::class_<Tensor, NoGilHolder<Tensor>> cls(m, "Tensor", py::buffer_protocol());
   cls.def_static(
          "empty",
          [](py::object shape, const std::string& dtype, const std::string& device) {
@@ -269,7 +287,7 @@ void BindTensor(py::module_& m) {
               NoGil nogil;
               device::Synchronize(t.device());
             }
-            DLManagedTensor* managed = device::ToDLPack(t);
+            DLManagedTensor* managed = ToDLPackReleasedWithoutGil(t);
             PyObject* capsule = PyCapsule_New(managed, "dltensor", &DeleteUnconsumedCapsule);
             if (capsule == nullptr) {
               managed->deleter(managed);

@@ -13,6 +13,7 @@
 #include "forksafe/mp/internal/child.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/fork_aware_once.h"
 #include "forksafe/runtime/internal/mutex.h"
 #include "forksafe/runtime/internal/random.h"
 
@@ -64,32 +65,33 @@ struct Handoffs {
   ino_t ino[2] FORKSAFE_GUARDED_BY(mu) = {0, 0};
 };
 
-Handoffs& TheHandoffs() {
-  static Handoffs* h = [] {
-    auto* state = new Handoffs;  // lives for the process: a registration refers to its mutex
-    runtime::HoldAcrossFork(&state->mu, "mp secret pipes", [state] {
-      // The fork could not wait for a live handoff (its prepare gave up): close every copy of
-      // the secret pipe this child got. Async-signal-safe calls only.
-      state->mu.AssertHeld();  // the child's only thread: held, or free after a fork made alone
-      if (!state->open) return;
-      struct rlimit rl;
-      int max_fd = 65536;
-      if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < static_cast<rlim_t>(max_fd)) {
-        max_fd = static_cast<int>(rl.rlim_cur);
+Handoffs* MakeHandoffs() {
+  auto* state = new Handoffs;  // lives for the process: a registration refers to its mutex
+  runtime::HoldAcrossFork(&state->mu, "mp secret pipes", [state] {
+    // The fork could not wait for a live handoff (its prepare gave up): close every copy of
+    // the secret pipe this child got. Async-signal-safe calls only.
+    state->mu.AssertHeld();  // the child's only thread: held, or free after a fork made alone
+    if (!state->open) return;
+    struct rlimit rl;
+    int max_fd = 65536;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < static_cast<rlim_t>(max_fd)) {
+      max_fd = static_cast<int>(rl.rlim_cur);
+    }
+    for (int fd = 0; fd < max_fd; ++fd) {
+      struct stat st;
+      if (fstat(fd, &st) != 0) continue;
+      for (int i = 0; i < state->open; ++i) {
+        if (st.st_dev == state->dev[i] && st.st_ino == state->ino[i]) ::close(fd);
       }
-      for (int fd = 0; fd < max_fd; ++fd) {
-        struct stat st;
-        if (fstat(fd, &st) != 0) continue;
-        for (int i = 0; i < state->open; ++i) {
-          if (st.st_dev == state->dev[i] && st.st_ino == state->ino[i]) ::close(fd);
-        }
-      }
-      state->open = 0;
-    });
-    return state;
-  }();
-  return *h;
+    }
+    state->open = 0;
+  });
+  return state;
 }
+
+// Made on first use; not a function-local static (registering waits for a fork in progress:
+// runtime/internal/fork_aware_once.h).
+Handoffs& TheHandoffs() { return runtime::internal::ForkAwareOnce<Handoffs, &MakeHandoffs>(); }
 
 }  // namespace
 

@@ -26,6 +26,7 @@
 #include "forksafe/mp/internal/shm_manager.h"
 #include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
+#include "forksafe/runtime/internal/fork_aware_once.h"
 #include "forksafe/runtime/internal/kept_resources.h"
 #include "forksafe/runtime/internal/memory_bounds.h"
 #include "forksafe/runtime/internal/mutex.h"
@@ -141,9 +142,14 @@ std::shared_ptr<Segment> CreateSegment(size_t size, SegmentKind kind, uint32_t f
 
 }  // namespace
 
+SharedArena* SharedArena::Make() {
+  return new SharedArena();  // leaked: blocks may outlive static destruction
+}
+
 SharedArena& SharedArena::Get() {
-  static auto* arena = new SharedArena();  // leaked: blocks may outlive static destruction
-  return *arena;
+  // Not a function-local static: the constructor registers an at-fork handler, which waits for a
+  // fork running on another thread (runtime/internal/fork_aware_once.h).
+  return runtime::internal::ForkAwareOnce<SharedArena, &SharedArena::Make>();
 }
 
 SharedArena::SharedArena() : impl_(new Impl()) {

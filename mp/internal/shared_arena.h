@@ -213,6 +213,7 @@ class SharedArena {
 
  private:
   SharedArena();
+  static SharedArena* Make();  // for Get()
   Impl* impl_;
   friend class SharedBlock;
   friend class Segment;

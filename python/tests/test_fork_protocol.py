@@ -324,3 +324,58 @@ def test_closing_a_pool_from_its_own_task_is_an_error_and_dropping_it_there_is_s
     gc.collect()  # the pool object is gone; its threads end on a thread of their own
     with forksafe.ThreadPool(1) as other:
         assert other.submit(int, "3").result(10) == 3
+
+
+_FORKS_WHILE_THREADS_SEND = r"""
+import os, signal, sys, threading
+import numpy as np
+import torch
+import forksafe.multiprocessing as mp
+
+stop = False
+
+
+def churn(i, q):
+    while not stop:
+        a = mp.shared_ndarray((1000,), np.float64)
+        del a                                  # frees shared memory, GIL held by its caller
+        t = torch.ones(1000 + i)
+        t.share_memory_()
+        del t
+        q.put(torch.full((500 + i,), float(i)))  # a fresh tensor's move into shared memory
+        q.get()
+
+
+qs = [mp.Queue() for _ in range(3)]
+threads = [threading.Thread(target=churn, args=(i, qs[i])) for i in range(3)]
+for t in threads:
+    t.start()
+out = mp.Queue()
+bad = []
+for k in range(120):
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a child that hangs ends by SIGALRM, not silently
+        out.put(torch.full((3000,), 7.0))
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        bad.append((k, status))
+    elif float(out.get(timeout=10).sum()) != 21000.0:
+        bad.append((k, "bad data"))
+stop = True
+for t in threads:
+    t.join()
+print("bad", bad)
+sys.exit(1 if bad else 0)
+"""
+
+
+def test_forks_while_other_threads_free_and_send_shared_tensors():
+    """120 os.fork()s while three threads make, free and send shared arrays and tensors. Each
+    fork used to hang the parent for good (a thread freeing shared memory held the GIL and
+    waited for the arena's lock, which the fork's prepare held while it waited for the GIL),
+    and children hung on their first send (a lock of the sending threads, or the arena being
+    made by one of them when the fork came, inherited as held)."""
+    rc, out = run_python(_FORKS_WHILE_THREADS_SEND, timeout=100)
+    assert rc == 0, out

@@ -297,6 +297,17 @@ def _shared_record(t):
 _moving = threading.RLock()
 
 
+def _new_moving_lock():
+    # A forked child: another thread of the parent may have held the lock (in the middle of a
+    # send) when it forked; that thread does not exist here, so the child's first send would wait
+    # for it for ever.
+    global _moving
+    _moving = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_moving_lock)
+
+
 def _share_torch_(t):
     """Moves torch tensor `t`'s storage into forksafe's shared memory, in place (every tensor
     object that is `t` sees it; other views made earlier keep the old memory)."""
