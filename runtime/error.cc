@@ -1,5 +1,6 @@
 #include "forksafe/runtime/error.h"
 
+#include <cerrno>
 #include <cstring>
 
 namespace forksafe::runtime {
@@ -32,7 +33,24 @@ void ThrowSystemError(const std::string& what, int err) {
   char buf[256];
   // GNU strerror_r may return a static string instead of filling buf.
   const char* text = strerror_r(err, buf, sizeof(buf));
-  throw Error(ErrorCode::kInternal, what + ": " + text + " (errno " + std::to_string(err) + ")");
+  std::string message = what + ": " + text + " (errno " + std::to_string(err) + ")";
+  switch (err) {
+    // A limit of the process or the system, not a fault: the caller can free or raise it.
+    case EMFILE:
+    case ENFILE:
+      throw Error(ErrorCode::kResourceExhausted,
+                  message + "; close descriptors, or raise the limit (ulimit -n)");
+    case EFBIG:
+      throw Error(ErrorCode::kResourceExhausted,
+                  message + "; the file size limit (ulimit -f) is below what this needs");
+    case ENOMEM:
+    case ENOSPC:
+    case EDQUOT:
+      throw Error(ErrorCode::kResourceExhausted,
+                  message + "; free memory or /dev/shm space, or raise the limit");
+    default:
+      throw Error(ErrorCode::kInternal, message);
+  }
 }
 
 }  // namespace forksafe::runtime

@@ -78,7 +78,8 @@ class Error : public std::runtime_error {
   std::string message_;
 };
 
-/// Throws Error(kInternal) with "<what>: <strerror(err)> (errno <err>)".
+/// Throws Error with "<what>: <strerror(err)> (errno <err>)": kResourceExhausted (with what to
+/// do) for a limit reached (EMFILE, ENFILE, EFBIG, ENOMEM, ENOSPC, EDQUOT), kInternal otherwise.
 [[noreturn]] void ThrowSystemError(const std::string& what, int err);
 
 /// Runs `fn` and returns true, or catches an Error and stores it in `*out` and returns false.

@@ -930,3 +930,48 @@ def test_a_daemon_thread_blocked_in_a_wait_does_not_abort_the_exit(kind):
         rc, out = run_python(code, timeout=60)
         assert rc == status, f"{kind}: exit code {rc}, not {status}:\n{out}"
         assert "terminate called" not in out, out
+
+
+_UNDER_LIMITS = r"""
+import resource, sys
+import forksafe
+import forksafe.multiprocessing as mp
+which = sys.argv[1]
+if which == "fsize":
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+    q = mp.Queue()                      # a 64 KiB ring fits under the limit
+    q.put("small")
+    assert q.get(timeout=10) == "small"
+    try:
+        q.put(b"x" * (3 << 20))         # out of band: a file over the limit
+    except forksafe.ResourceExhaustedError as e:
+        assert "ulimit -f" in str(e), e
+    else:
+        raise SystemExit("a 3 MB item under a 1 MiB file size limit did not fail")
+    q.put("after")
+    assert q.get(timeout=10) == "after"
+else:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (40, hard))
+    made = []
+    try:
+        for _ in range(100):
+            made.append(mp.Queue())
+    except forksafe.ResourceExhaustedError as e:
+        assert "ulimit -n" in str(e) or "descriptors" in str(e), e
+    else:
+        raise SystemExit("100 queues under a limit of 40 descriptors did not fail")
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("limit", ["fsize", "nofile"])
+def test_queues_under_tight_limits_fail_clearly(limit):
+    """Under a 1 MiB file size limit a Queue still works (its ring shrinks) and an item over the
+    limit raises ResourceExhaustedError naming `ulimit -f` (it could not be made at all, and
+    the item raised InternalError); out of descriptors, ResourceExhaustedError, not an
+    InternalError from socketpair()."""
+    code = "import signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n" + \
+        _UNDER_LIMITS.replace("sys.argv[1]", repr(limit))
+    rc, out = run_python(code, timeout=60)
+    assert rc == 0 and "ok" in out, out

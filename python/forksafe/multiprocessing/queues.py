@@ -30,9 +30,10 @@ __all__ = ["Queue", "SimpleQueue", "JoinableQueue"]
 # what it holds (a ring this large gives the pages of got messages back: mp/queue.cc), so that a
 # program that puts its whole input before anything gets it (a million small items, a few
 # hundred lists of 200 KiB) does not wait, as with multiprocessing's queue. Where the system
-# cannot promise 64 MiB (a small container, RLIMIT_FSIZE), 1 MiB.
+# cannot promise 64 MiB (a small container, RLIMIT_FSIZE), 1 MiB, then 64 KiB (a file size limit
+# of 1 MiB: the ring's segment has a header too).
 _DEFAULT_RING_BYTES = 64 << 20
-_SMALL_RING_BYTES = 1 << 20
+_SMALLER_RING_BYTES = (1 << 20, 64 << 10)
 
 
 class Queue(Shareable):
@@ -48,8 +49,16 @@ class Queue(Shareable):
             return
         try:
             self._handle = _mp.Queue(maxsize, _DEFAULT_RING_BYTES)
+            return
         except ResourceExhaustedError:
-            self._handle = _mp.Queue(maxsize, _SMALL_RING_BYTES)
+            pass
+        for ring in _SMALLER_RING_BYTES[:-1]:
+            try:
+                self._handle = _mp.Queue(maxsize, ring)
+                return
+            except ResourceExhaustedError:
+                pass
+        self._handle = _mp.Queue(maxsize, _SMALLER_RING_BYTES[-1])
 
     @staticmethod
     def _handle_type():
