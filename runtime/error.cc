@@ -48,8 +48,7 @@ void ThrowSystemError(const std::string& what, int err) {
     case EDQUOT:
       throw Error(ErrorCode::kResourceExhausted,
                   message + "; free memory or /dev/shm space, or raise the limit");
-    default:
-      throw Error(ErrorCode::kInternal, message);
+    default: throw Error(ErrorCode::kInternal, message);
   }
 }
 

@@ -27,7 +27,7 @@ namespace forksafe::runtime::internal {
 
 template <class T, T* (*Make)()>
 T& ForkAwareOnce() {
-  static T* instance = nullptr;                      // constant-initialized: no guard
+  static T* instance = nullptr;                    // constant-initialized: no guard
   static pthread_once_t once = PTHREAD_ONCE_INIT;  // constant-initialized: no guard
   pthread_once(&once, [] { instance = Make(); });
   return *instance;
