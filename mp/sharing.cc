@@ -15,6 +15,7 @@
 #include "forksafe/device/storage.h"
 #include "forksafe/device/storage_sharing.h"
 #include "forksafe/mp/process.h"
+#include "forksafe/runtime/at_fork.h"
 #include "forksafe/runtime/error.h"
 #include "forksafe/runtime/internal/mutex.h"
 
@@ -55,6 +56,21 @@ Identity& Ids() {
   return *ids;
 }
 
+// Two threads sharing the same storage at once share it once.
+Mutex& MovesMu() {
+  static auto* mu = new Mutex();
+  return *mu;
+}
+
+// Both held across every fork (registered at load time, before any thread): a child never
+// inherits them held by a thread it does not have (a Python child's first shared tensor hung in
+// Remember() when another thread of its parent was sharing one at the fork).
+const bool g_sharing_fork_handlers = [] {
+  runtime::HoldAcrossFork(&Ids().mu, "mp_sharing_identity");
+  runtime::HoldAcrossFork(&MovesMu(), "mp_sharing_moves");
+  return true;
+}();
+
 internal::SegmentKind Kind() {
   return g_strategy.load() == 0 ? internal::SegmentKind::kMemfd : internal::SegmentKind::kNamed;
 }
@@ -86,8 +102,7 @@ void Remember(const std::shared_ptr<internal::SharedBlock>& block, const device:
 // Moves a CPU storage into a shared block (once) and returns its context: null only for a storage
 // marked shared by someone else without one.
 std::shared_ptr<SharingContext> ShareStorage(const device::Storage& s) {
-  static Mutex mu;  // two threads sharing the same storage at once share it once
-  MutexLock lk(&mu);
+  MutexLock lk(&MovesMu());
   if (s.is_shared()) return std::static_pointer_cast<SharingContext>(s.sharing_context());
   auto block = internal::SharedArena::Get().Allocate(s.nbytes(), Kind(), g_cache.load());
   if (s.nbytes() > 0) std::memcpy(block->data(), s.data(), s.nbytes());

@@ -385,7 +385,7 @@ class PyConnection {
 class SharedBytes {
  public:
   SharedBytes() = default;
-  explicit SharedBytes(size_t nbytes) : a_((nbytes + 7) / 8 + (nbytes == 0 ? 1 : 0), 0, false) {}
+  explicit SharedBytes(size_t nbytes) : a_(Words(nbytes)) {}
   uintptr_t address() const { return reinterpret_cast<uintptr_t>(a_.data()); }
   size_t capacity() const { return a_.size() * sizeof(int64_t); }
 
@@ -399,6 +399,17 @@ class SharedBytes {
   }
 
  private:
+  // The block: 8-byte words. Its errors say the size asked for in bytes (a Value or Array of
+  // the Python package), not the words it is stored as.
+  static mp::Array<int64_t> Words(size_t nbytes) {
+    try {
+      return mp::Array<int64_t>((nbytes + 7) / 8 + (nbytes == 0 ? 1 : 0), 0, false);
+    } catch (const Error& e) {
+      throw Error(e.code(), "a shared Value or Array of " + std::to_string(nbytes) +
+                                " bytes could not be made: " + e.message());
+    }
+  }
+
   mp::Array<int64_t> a_;
 };
 

@@ -13,6 +13,7 @@ import pytest
 
 import forksafe
 import forksafe.multiprocessing as mp
+from conftest import run_python
 
 T = 60  # seconds any single result may take before the test fails
 
@@ -598,3 +599,37 @@ def test_many_open_imaps_do_not_slow_the_pool_or_keep_threads():
         assert threading.active_count() <= threads + 1  # the handler; feeders idle out
         assert pool.map(square, range(3000), chunksize=1) == [x * x for x in range(3000)]
         assert take(its[7], 5) == [1, 4, 9, 16, 25]  # a feeder starts again when room comes
+
+
+_POOLS_FROM_THREADS_AT_EXIT = r"""
+import threading, time
+import forksafe.multiprocessing as mp
+ready = threading.Semaphore(0)
+
+
+def body():
+    pool = mp.Pool(1)
+    result = pool.apply_async(time.sleep, (60,))
+    ready.release()
+    try:
+        result.get()
+    except Exception:
+        pass
+
+
+for _ in range(16):
+    threading.Thread(target=body, daemon=True).start()
+for _ in range(16):
+    ready.acquire()
+time.sleep(0.5)  # the tasks are running
+print("main returns", flush=True)
+"""
+
+
+def test_pools_started_from_many_threads_end_at_exit():
+    """16 daemon threads each start a Pool and wait on a 60 s task; the program returns. The
+    pools are terminated at exit and it ends at once (it took 10 s per pool or more: a
+    worker's end was awaited on its sentinel, which a worker forked meanwhile by another thread
+    kept open). The bound is a hang's, not a speed target: ending takes about 1 s."""
+    rc, out = run_python(_POOLS_FROM_THREADS_AT_EXIT, timeout=8)
+    assert rc == 0 and "main returns" in out, out

@@ -1,6 +1,6 @@
-// A fork that interrupts another thread's first use of a lazily made singleton whose making
-// registers an at-fork handler (runtime/internal/fork_aware_once.h): the child's first use
-// must make its own, not wait for ever on the parent's half-made one.
+// Forks that interrupt another thread's work in mp/sharing: its first use of the shared arena
+// (whose making registers an at-fork handler: runtime/internal/fork_aware_once.h), and the
+// locks of sharing a storage. The child must not wait for ever on what that thread held.
 #include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -8,8 +8,11 @@
 
 #include <atomic>
 #include <thread>
+#include <vector>
 
+#include "forksafe/device/tensor.h"
 #include "forksafe/mp/internal/shared_arena.h"
+#include "forksafe/mp/sharing.h"
 #include "forksafe/runtime/at_fork.h"
 #include "gtest/gtest.h"
 
@@ -48,6 +51,46 @@ TEST(ForkDuringFirstUse, AChildForkedWhileAnotherThreadMakesTheArenaCanUseIt) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
       << "the child's first use of the arena hung (status " << status
       << "): it waited for the parent's thread that was making it when the fork came";
+}
+
+// Two threads share tensors (share_memory_, SharedEmpty) while the main thread forks 200 times;
+// each child shares one too. A child hung when a thread held the sharing's identity lock at the
+// fork (held by no thread of the child).
+TEST(ForkDuringFirstUse, ChildrenShareTensorsWhileParentThreadsDo) {
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> sharers;
+  for (int i = 0; i < 2; ++i) {
+    sharers.emplace_back([&stop, i] {
+      while (!stop) {
+        device::Tensor t = device::Tensor::Zeros({64 + i});
+        share_memory_(t);
+        device::Tensor u = SharedEmpty({32 + i});
+      }
+    });
+  }
+  int hung = 0, failed = 0;
+  for (int k = 0; k < 200; ++k) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      alarm(5);
+      device::Tensor t = device::Tensor::Zeros({128});
+      share_memory_(t);
+      device::Tensor u = SharedEmpty({16});
+      _exit(t.is_shared() && u.is_shared() ? 0 : 3);
+    }
+    ASSERT_GT(pid, 0);
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    if (WIFSIGNALED(status) && WTERMSIG(status) == SIGALRM) {
+      ++hung;
+      break;  // one says it all (each costs the alarm's 5 s)
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
+  }
+  stop = true;
+  for (auto& t : sharers) t.join();
+  EXPECT_EQ(hung, 0) << "children hung sharing a tensor (a lock held by a parent's thread)";
+  EXPECT_EQ(failed, 0);
 }
 
 }  // namespace

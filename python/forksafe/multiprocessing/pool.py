@@ -29,6 +29,7 @@ import itertools
 import os
 import signal
 import threading
+import time
 import weakref
 from multiprocessing import TimeoutError as _stdlib_TimeoutError
 from multiprocessing import connection as _stdlib_connection
@@ -718,11 +719,15 @@ class _PoolCore:
                     w.conn.send(None)
                 except Exception:
                     pass
+        # Each worker's end is polled (its exit status, or its sentinel), not waited for on the
+        # sentinel alone: a worker's sentinel pipe stays open while any process forked at the
+        # moment it started holds its other end (Pools started from several threads at once),
+        # and that wait ran its whole 10 s per worker at exit.
+        deadline = time.monotonic() + 10
         for w in workers:
-            w.process.join(timeout=10)
-            if w.process.exitcode is None:
+            if not _wait_ended(w.process, deadline):
                 w.process.kill()
-                w.process.join()
+                _wait_ended(w.process, time.monotonic() + 10)
             w.conn.close()
 
     # ---- submitting ---------------------------------------------------------------------------
@@ -970,6 +975,19 @@ class Pool:
 
 
 _live_pools = weakref.WeakSet()
+
+
+def _wait_ended(process, deadline):
+    """True once `process` has ended (reaped, or its sentinel readable: with SIGCHLD ignored
+    there is no status to reap), polling until `deadline`."""
+    pause = 0.001
+    while True:
+        if process.exitcode is not None or _stdlib_connection.wait([process.sentinel], 0):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 @atexit.register

@@ -175,11 +175,14 @@ class _WatchState:
         _watching.add(self)
 
     def close_pipe(self):
+        # Forgotten first, then closed: os.close lets go of the GIL, and a fork in between must
+        # not leave the child a number that may be reused by then (its hook closes what is here).
         with self.lock:
-            if self.r >= 0:
-                os.close(self.w)
-                os.close(self.r)
-                self.r = self.w = -1
+            r, w = self.r, self.w
+            self.r = self.w = -1
+        if r >= 0:
+            os.close(w)
+            os.close(r)
 
     def drain(self):
         try:
