@@ -63,20 +63,28 @@ void DeleteUnconsumedCapsule(PyObject* capsule) {
   }
 }
 
+// A DLManagedTensor that shows `original`'s tensor (its shape and strides point into `original`,
+// which must live until `deleter` runs) with a context and deleter of its own: how a release is
+// routed (without the GIL, with it, with a notice).
+DLManagedTensor* Rewrapped(DLManagedTensor* original, void* ctx,
+                           void (*deleter)(DLManagedTensor*)) {
+  auto* wrapper = new DLManagedTensor();
+  wrapper->dl_tensor = original->dl_tensor;
+  wrapper->manager_ctx = ctx;
+  wrapper->deleter = deleter;
+  return wrapper;
+}
+
 // device::ToDLPack(t) behind a deleter that gives the tensor back without the GIL: its consumer
 // (numpy, torch) releases it from a deallocation, with the GIL held, and the last reference to
 // shared memory takes the arena's lock, which a fork's prepare holds while it waits for the GIL.
 DLManagedTensor* ToDLPackReleasedWithoutGil(const Tensor& t) {
   DLManagedTensor* original = device::ToDLPack(t);
-  auto* wrapper = new DLManagedTensor();
-  wrapper->dl_tensor = original->dl_tensor;
-  wrapper->manager_ctx = original;
-  wrapper->deleter = [](DLManagedTensor* self) {
+  return Rewrapped(original, original, [](DLManagedTensor* self) {
     auto* original = static_cast<DLManagedTensor*>(self->manager_ctx);
     delete self;
     if (original->deleter != nullptr) WithoutGil([original] { original->deleter(original); });
-  };
-  return wrapper;
+  });
 }
 
 // Takes the DLManagedTensor out of a "dltensor" capsule and marks it consumed.
@@ -92,16 +100,13 @@ Tensor AdoptCapsule(py::handle capsule) {
   // decrefs the array), and the last forksafe tensor over the memory may go on any thread: call
   // it through a wrapper that takes the GIL. The wrapper's dl_tensor is a copy whose shape and
   // strides point into `managed`, which lives until the wrapper's deleter runs.
-  auto* wrapper = new DLManagedTensor();
-  wrapper->dl_tensor = managed->dl_tensor;
-  wrapper->manager_ctx = managed;
-  wrapper->deleter = [](DLManagedTensor* self) {
+  DLManagedTensor* wrapper = Rewrapped(managed, managed, [](DLManagedTensor* self) {
     auto* original = static_cast<DLManagedTensor*>(self->manager_ctx);
     delete self;
     if (original->deleter == nullptr || !Py_IsInitialized()) return;  // Python is gone: leak
     py::gil_scoped_acquire gil;
     original->deleter(original);
-  };
+  });
   // Consumed from here on (before the GIL goes: another thread must not adopt it too).
   PyCapsule_SetName(capsule.ptr(), "used_dltensor");
   Tensor t;
@@ -163,10 +168,8 @@ py::object CapsuleWithNotice(const Tensor& t, py::object on_release) {
                     Py_TYPE(on_release.ptr())->tp_name);
   }
   DLManagedTensor* original = device::ToDLPack(t);
-  auto* wrapper = new DLManagedTensor();
-  wrapper->dl_tensor = original->dl_tensor;  // shape and strides point into `original`
-  wrapper->manager_ctx = new ReleaseNotice{original, on_release.release().ptr()};
-  wrapper->deleter = &DeleteWithNotice;
+  DLManagedTensor* wrapper = Rewrapped(
+      original, new ReleaseNotice{original, on_release.release().ptr()}, &DeleteWithNotice);
   PyObject* capsule = PyCapsule_New(wrapper, "dltensor", &DeleteUnconsumedCapsule);
   if (capsule == nullptr) {  // nothing consumed it: undo without calling back
     auto* notice = static_cast<ReleaseNotice*>(wrapper->manager_ctx);

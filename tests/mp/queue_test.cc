@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <set>
 #include <string>
@@ -507,6 +508,16 @@ TEST(QueueTest, PollWaitsForAMessageAndTakesNothing) {
   Queue q;
   EXPECT_FALSE(q.poll());
   EXPECT_FALSE(q.poll(0.05));
+  for (double bad : {-1.0, std::nan("")}) {
+    try {
+      q.poll(bad);
+      ADD_FAILURE() << "poll(" << bad << ") did not throw";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("Queue::poll: timeout must be"), std::string::npos)
+          << e.what();
+    }
+  }
   std::thread putter([&] {
     std::this_thread::sleep_for(50ms);
     q.put(7);
